@@ -1,0 +1,58 @@
+"""Dew: one JAX trainer for language models, diffusion models and JEPA encoders.
+
+Importing ``dew`` is cheap: every public name is resolved on first use, so ``import dew`` pulls in
+no optional package and initializes no JAX backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Trainer": "dew.training.trainer",
+    "TrainState": "dew.training.state",
+    "Checkpoints": "dew.training.checkpoints",
+    "MeshSpec": "dew.training.mesh",
+    "Layout": "dew.training.mesh",
+    "Dataset": "dew.data.dataset",
+    "Loading": "dew.data.dataset",
+    "Field": "dew.objectives.base",
+    "InputSpec": "dew.objectives.base",
+    "Objective": "dew.objectives.base",
+    "Aux": "dew.objectives.base",
+    "Step": "dew.objectives.base",
+    "Evaluation": "dew.eval.evaluation",
+    "LocalTracker": "dew.tracking.local",
+    "Trackers": "dew.tracking.base",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dew' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only
+    from dew.data.dataset import Dataset, Loading
+    from dew.eval.evaluation import Evaluation
+    from dew.objectives.base import Aux, Field, InputSpec, Objective, Step
+    from dew.tracking.base import Trackers
+    from dew.tracking.local import LocalTracker
+    from dew.training.checkpoints import Checkpoints
+    from dew.training.mesh import Layout, MeshSpec
+    from dew.training.state import TrainState
+    from dew.training.trainer import Trainer
