@@ -1,0 +1,27 @@
+"""Data loading: datasets of batch factories, Grain settings, token and image readers.
+
+Names resolve on first use, so importing `dew.data` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Batch": "dew.data.dataset",
+    "Dataset": "dew.data.dataset",
+    "Loading": "dew.data.dataset",
+    "Partition": "dew.data.dataset",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dew.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,16 @@
+"""Experiment tracking: a protocol, typed records, and the local backend."""
+
+from dew.tracking.base import Tracker, Trackers
+from dew.tracking.local import LocalTracker
+from dew.tracking.records import Artifact, CheckpointSaved, Failure, Progress, RunStarted
+
+__all__ = [
+    "Artifact",
+    "CheckpointSaved",
+    "Failure",
+    "LocalTracker",
+    "Progress",
+    "RunStarted",
+    "Tracker",
+    "Trackers",
+]

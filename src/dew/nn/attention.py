@@ -1,0 +1,271 @@
+"""Scaled dot-product attention with a choice of kernel.
+
+One function, `dot_product_attention`, serves every model in Dew. It takes queries
+``[batch, q_len, heads, head_dim]`` and keys/values ``[batch, kv_len, kv_heads, head_dim]``
+(grouped-query attention when ``kv_heads`` divides ``heads``) and decides which keys each query
+may see from four plain rules:
+
+* causal: a query never sees a key at a later position;
+* window ``w``: a query sees at most ``w`` keys, its own position included (keys at positions
+  ``q - w + 1 .. q``), as in Mistral/Gemma sliding-window layers;
+* segment ids: a query sees only keys of its own document when several are packed in one row;
+* ``kv_lengths``: key slots at or past a row's length are empty (a KV cache not yet filled).
+
+The kernel is a separate choice (``impl``) and never changes the result beyond rounding, nor any
+parameter: "reference" is a float32 einsum and softmax written out below, "xla" and "cudnn" go
+through `jax.nn.dot_product_attention`, and "auto" picks one per call (`resolve_attention_impl`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")
+
+# matmul precisions that ask for more than the default (bf16 passes on GPU/TPU)
+_HIGH_PRECISIONS = ("high", "highest", "float32", "tensorfloat32", "bfloat16_3x")
+
+
+def check_attention_impl(impl: str) -> str:
+    """Return `impl` if Dew knows it, else raise a ValueError listing the kernels it knows."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(
+            f"attention_impl={impl!r} is not a known attention kernel; "
+            f"use one of {', '.join(repr(i) for i in ATTENTION_IMPLS)}"
+        )
+    return impl
+
+
+def _asks_for_high_precision(precision: Any) -> bool:
+    """True when a matmul precision above the default is requested (argument or global config)."""
+    candidates = [precision]
+    if precision is None:
+        candidates.append(jax.config.jax_default_matmul_precision)
+    for p in candidates:
+        if p is None:
+            continue
+        if isinstance(p, (tuple, list)):
+            if any(_asks_for_high_precision(x) for x in p):
+                return True
+            continue
+        if isinstance(p, jax.lax.Precision):
+            if p != jax.lax.Precision.DEFAULT:
+                return True
+            continue
+        if str(p).lower() in _HIGH_PRECISIONS:
+            return True
+    return False
+
+
+def _compute_capability(device: Any) -> tuple[int, int] | None:
+    """(major, minor) of an NVIDIA device, or None when it is not one or does not say."""
+    if getattr(device, "platform", None) != "gpu":
+        return None
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        return None
+    try:
+        major, _, minor = str(capability).partition(".")
+        return int(major), int(minor or 0)
+    except ValueError:
+        return None
+
+
+def resolve_attention_impl(
+    impl: str = "auto",
+    *,
+    dtype: Any = jnp.float32,
+    head_dim: int | None = None,
+    precision: Any = None,
+    cudnn_mask_ok: bool = True,
+    device: Any = None,
+) -> str:
+    """The kernel a call with these properties runs: "reference", "xla" or "cudnn".
+
+    An explicit ``impl`` is returned unchanged. For "auto" the order is:
+
+    1. "reference" when the call asks for arithmetic no fused kernel does: float64 inputs, or a
+       matmul precision above the default (argument or ``jax_default_matmul_precision``), or
+       half precision on an NVIDIA GPU older than sm80.
+    2. "cudnn" on an NVIDIA GPU of sm80 or newer, for bf16/fp16 inputs whose head_dim cuDNN's
+       flash kernel takes (a multiple of 8, at most 128) and whose mask it can express
+       (``cudnn_mask_ok``: causal/window/lengths, no segment ids, no arbitrary mask).
+    3. "xla" otherwise.
+
+    ``device`` defaults to the first device of the default backend; tests pass a stand-in object
+    with ``platform`` and ``compute_capability`` attributes.
+    """
+    check_attention_impl(impl)
+    if impl != "auto":
+        return impl
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float64 or _asks_for_high_precision(precision):
+        return "reference"
+    if device is None:
+        device = jax.devices()[0]
+    capability = _compute_capability(device)
+    half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if capability is not None and half:
+        if capability < (8, 0):
+            return "reference"
+        head_dim_ok = head_dim is None or (head_dim % 8 == 0 and head_dim <= 128)
+        if head_dim_ok and cudnn_mask_ok:
+            return "cudnn"
+    return "xla"
+
+
+def attention_mask(
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    *,
+    causal: bool,
+    window: int | jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean ``[batch, 1, q_len, kv_len]`` mask, True where a query may attend to a key.
+
+    Positions are ``[batch, len]`` (or ``[len]``) integers. ``window`` may be a traced integer
+    (a scanned stack of layers with different windows); a window of 0 or None means no window.
+    """
+    q_pos = jnp.atleast_2d(q_positions)[:, :, None]  # [B, T, 1]
+    kv_pos = jnp.atleast_2d(kv_positions)[:, None, :]  # [B, 1, S]
+    mask = jnp.ones(jnp.broadcast_shapes(q_pos.shape, kv_pos.shape), dtype=bool)
+    if causal:
+        mask &= kv_pos <= q_pos
+    if window is not None:
+        distance = q_pos - kv_pos  # >= 0 for keys behind the query
+        in_window = distance < window
+        if not causal:
+            in_window &= -distance < window  # symmetric window without causality
+        if isinstance(window, int):
+            mask &= in_window
+        else:  # traced window: 0 switches it off
+            mask &= in_window | (window <= 0)
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        if q_segment_ids is None or kv_segment_ids is None:
+            raise ValueError("pass both q_segment_ids and kv_segment_ids (or segment_ids)")
+        q_seg = jnp.atleast_2d(q_segment_ids)[:, :, None]
+        kv_seg = jnp.atleast_2d(kv_segment_ids)[:, None, :]
+        mask &= q_seg == kv_seg
+    if kv_lengths is not None:
+        slots = jnp.arange(kv_pos.shape[-1])[None, None, :]
+        mask &= slots < jnp.asarray(kv_lengths)[:, None, None]
+    return mask[:, None, :, :]
+
+
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    *,
+    scale: float,
+    precision: Any = None,
+) -> jax.Array:
+    """softmax(q k^T * scale, masked) v in float32, written out; the check for every kernel."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    # query head h reads kv head h // groups, as in jax.nn.dot_product_attention and HF's repeat_kv
+    qg = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, groups, head_dim)
+    logits = jnp.einsum(
+        "btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=precision
+    ) * jnp.float32(scale)
+    if mask is not None:
+        # mask is [B or 1, 1 or heads, T, S]; bring it to [B, kv_heads, groups, T, S]
+        m = jnp.broadcast_to(mask, (mask.shape[0], heads) + mask.shape[2:])
+        m = m.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])
+        logits = jnp.where(m, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights, v.astype(jnp.float32), precision=precision)
+    return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+
+
+def dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    scale: float | None = None,
+    precision: Any = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Attention of ``q [B, T, N, H]`` over ``k, v [B, S, K, H]``; returns ``[B, T, N, H]``.
+
+    Without positions, query i sits at key position ``S - T + i`` (the last T keys), so a
+    plain self-attention call (T == S) lines queries up with keys. ``segment_ids`` is the
+    self-attention shorthand for equal ``q_segment_ids`` and ``kv_segment_ids``. ``mask`` is an
+    extra boolean mask broadcastable to ``[B, N, T, S]``, combined with the rules above.
+    ``scale`` defaults to ``1 / sqrt(H)``.
+    """
+    check_attention_impl(impl)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"attention expects q [batch, len, heads, head_dim] and k, v [batch, len, kv_heads, "
+            f"head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k and v must be [{batch}, len, kv_heads, {head_dim}]; got {k.shape}, {v.shape}")
+    if heads % kv_heads:
+        raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kv_heads})")
+    if isinstance(window, (int, np.integer)):
+        window = int(window)
+        if window < 1:
+            raise ValueError(f"window must be a positive number of keys, got {window}")
+    if segment_ids is not None:
+        if q_segment_ids is not None or kv_segment_ids is not None:
+            raise ValueError("pass segment_ids or q_segment_ids/kv_segment_ids, not both")
+        q_segment_ids = kv_segment_ids = segment_ids
+    scale = float(1.0 / np.sqrt(head_dim)) if scale is None else float(scale)
+
+    default_positions = q_positions is None and kv_positions is None
+    if kv_positions is None:
+        kv_positions = jnp.arange(kv_len, dtype=jnp.int32)
+    if q_positions is None:
+        q_positions = jnp.arange(q_len, dtype=jnp.int32) + (kv_len - q_len)
+
+    # cuDNN gets the mask as flags (causal, window, lengths) only for plain self-attention
+    cudnn_mask_ok = (
+        default_positions and q_len == kv_len and q_segment_ids is None and mask is None
+        and (window is None or isinstance(window, int)) and (causal or window is None)
+    )
+    kernel = resolve_attention_impl(
+        impl, dtype=q.dtype, head_dim=head_dim, precision=precision, cudnn_mask_ok=cudnn_mask_ok
+    )
+
+    if kernel == "cudnn" and cudnn_mask_ok:
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal,
+            key_value_seq_lengths=None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation="cudnn",
+        )
+
+    full_mask = attention_mask(
+        q_positions, kv_positions, causal=causal, window=window,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths,
+    )
+    if mask is not None:
+        full_mask = full_mask & jnp.asarray(mask, bool)
+    if kernel == "reference":
+        return reference_attention(q, k, v, full_mask, scale=scale, precision=precision)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=full_mask, scale=scale, implementation=kernel
+    )

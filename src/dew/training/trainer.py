@@ -1,0 +1,516 @@
+"""The Trainer: one jitted, pure training step and the loop around it.
+
+The step `(state, batch) -> (state, metrics)` differentiates the objective's loss, applies the
+Optax update, folds in changed non-param collections and the EMA, and donates the old state. The
+loop feeds batches from the dataset's factory, pulls each step's metrics to the host one step late
+(so the host never waits on the step it just dispatched), and writes checkpoints, evaluations and
+progress at their intervals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dew.data.dataset import Dataset, Partition
+from dew.eval.evaluation import Evaluation, EvaluationResult
+from dew.objectives.base import Aux, Objective, Step
+from dew.training import mesh as mesh_lib
+from dew.training.checkpoints import Checkpoints
+from dew.training.mesh import Layout, MeshSpec
+from dew.training.progress import ProgressReport
+from dew.training.state import TrainState
+from dew.tracking.records import CheckpointSaved, Failure, Progress, RunStarted
+
+
+class Trainer:
+    """Train an objective with an Optax optimizer on a device mesh.
+
+    `key` is the run's root key: initialization and every step draw from it, step `s` from
+    `fold_in(step_root, s)`, so a resumed run draws what an uninterrupted run draws.
+    `accumulation` splits each global batch into that many microbatches whose gradients are
+    averaged before one update.
+    """
+
+    def __init__(
+        self,
+        objective: Objective,
+        optimizer: optax.GradientTransformation,
+        *,
+        key: jax.Array,
+        mesh: MeshSpec = MeshSpec(),
+        layout: Layout = Layout(),
+        accumulation: int = 1,
+        checkpoints: Checkpoints | None = None,
+        tracker: Any = None,
+    ):
+        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+            raise TypeError(
+                f"optimizer must be an Optax GradientTransformation (with init and update); "
+                f"got {type(optimizer).__name__}."
+            )
+        if not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"accumulation must be a positive int; got {accumulation!r}.")
+        if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
+            raise TypeError(f"checkpoints must be a dew.Checkpoints; got {type(checkpoints).__name__}.")
+        self.objective = objective
+        self.optimizer = optimizer
+        self.key = _as_key(key)
+        self.mesh_spec = mesh
+        self.layout = layout
+        self.mesh = mesh.build()
+        self.accumulation = accumulation
+        self.checkpoints = checkpoints
+        self.tracker = tracker
+        self.history: list[dict[str, float]] = []
+        self.evaluations: list[EvaluationResult] = []
+        self._shardings: TrainState | None = None
+        self._abstract: TrainState | None = None
+        self._step_fn = None
+        self._evaluation: Evaluation | None = None
+
+    # ----------------------------------------------------------------------------------------
+    # State: its shapes, its shardings, and how it starts.
+
+    def _held_variables(self):
+        return getattr(self.objective, "variables", None)
+
+    def _init_variables(self, key, held):
+        variables = self.objective.init(jax.random.split(key)[0], held)
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+            raise ValueError(
+                f"{type(self.objective).__name__}.init must return the Flax variables mapping with "
+                f"a 'params' collection, like model.init(...) does; got {got}."
+            )
+        return variables
+
+    def _plan(self) -> tuple[TrainState, TrainState]:
+        """The abstract state (shapes and dtypes) and its shardings, computed without any FLOPs."""
+        if self._abstract is not None:
+            return self._abstract, self._shardings
+        held = self._held_variables()
+        boxed = jax.eval_shape(self._init_variables, self.key, held)
+        names = mesh_lib.logical_names(boxed)
+        variables = mesh_lib.unbox(boxed)
+        variable_shardings = mesh_lib.tree_shardings(variables, names, self.layout, self.mesh)
+        params = variables["params"]
+        param_shardings = variable_shardings["params"]
+        opt_state = jax.eval_shape(self.optimizer.init, params)
+        replicated = mesh_lib.replicated(self.mesh)
+        opt_shardings = _optimizer_shardings(self.optimizer, opt_state, param_shardings, replicated)
+        keeps_ema = self.objective.ema_decay is not None
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        abstract = TrainState(
+            step=scalar,
+            updates=scalar,
+            variables=variables,
+            opt_state=opt_state,
+            ema=_float32(params) if keeps_ema else None,
+            key=jax.eval_shape(lambda k: k, self.key),
+        )
+        shardings = TrainState(
+            step=replicated,
+            updates=replicated,
+            variables=variable_shardings,
+            opt_state=opt_shardings,
+            ema=param_shardings if keeps_ema else None,
+            key=replicated,
+        )
+        self._abstract, self._shardings = abstract, shardings
+        return abstract, shardings
+
+    def init_state(self) -> TrainState:
+        """A fresh state, created directly in its shardings."""
+        _, shardings = self._plan()
+        keeps_ema = self.objective.ema_decay is not None
+
+        def init(key, held):
+            variables = mesh_lib.unbox(self._init_variables(key, held))
+            params = variables["params"]
+            return TrainState(
+                step=jnp.zeros((), jnp.int32),
+                updates=jnp.zeros((), jnp.int32),
+                variables=variables,
+                opt_state=self.optimizer.init(params),
+                ema=_float32(params, cast=True) if keeps_ema else None,
+                key=key,
+            )
+
+        return jax.jit(init, out_shardings=shardings)(self.key, self._held_variables())
+
+    def _abstract_with_shardings(self) -> TrainState:
+        abstract, shardings = self._plan()
+        return jax.tree_util.tree_map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            abstract,
+            shardings,
+        )
+
+    def restore_or_init(self) -> tuple[TrainState, Any, int | None]:
+        """The latest complete checkpoint (its state, data position and step), or a fresh state."""
+        latest = None if self.checkpoints is None else self.checkpoints.latest()
+        if latest is None:
+            return self.init_state(), None, None
+        state, position = self.checkpoints.restore(self._abstract_with_shardings(), latest)
+        return state, position, latest
+
+    # ----------------------------------------------------------------------------------------
+    # The step.
+
+    def _loss(self, params, variables, batch, step):
+        loss, aux = self.objective.loss({**variables, "params": params}, batch, step)
+        if not isinstance(aux, Aux):
+            raise TypeError(
+                f"{type(self.objective).__name__}.loss must return (scalar, Aux); "
+                f"got a {type(aux).__name__} beside the loss."
+            )
+        if jnp.ndim(loss) != 0:
+            raise ValueError(
+                f"{type(self.objective).__name__}.loss must return a scalar; got shape {jnp.shape(loss)}."
+            )
+        return loss.astype(jnp.float32), aux
+
+    def _gradients(self, state: TrainState, batch, step: Step):
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        params = state.variables["params"]
+        if self.accumulation == 1:
+            (loss, aux), grads = grad_fn(params, state.variables, batch, step)
+            return loss, aux, grads
+
+        parts = self.accumulation
+
+        def split(x):
+            x = x.reshape((x.shape[0] // parts, parts) + x.shape[1:])
+            return jnp.swapaxes(x, 0, 1)
+
+        micro = jax.tree_util.tree_map(split, batch)
+
+        def body(carry, inputs):
+            variables, grad_sum, loss_sum, metric_sum = carry
+            index, microbatch = inputs
+            micro_step = Step(step=step.step, key=jax.random.fold_in(step.key, index))
+            (loss, aux), grads = grad_fn(params, variables, microbatch, micro_step)
+            variables = {**variables, **aux.variables}
+            grad_sum = jax.tree_util.tree_map(jnp.add, grad_sum, grads)
+            metric_sum = jax.tree_util.tree_map(jnp.add, metric_sum, aux.metrics)
+            return (variables, grad_sum, loss_sum + loss, metric_sum), None
+
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        metric_shapes = jax.eval_shape(
+            lambda: grad_fn(params, state.variables, first, step)[0][1].metrics
+        )
+        zeros = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+            lambda x: jnp.zeros(x.shape, jnp.result_type(x.dtype, jnp.float32)), tree
+        )
+        carry = (state.variables, zeros(params), jnp.zeros((), jnp.float32), zeros(metric_shapes))
+        (variables, grad_sum, loss_sum, metric_sum), _ = jax.lax.scan(
+            body, carry, (jnp.arange(parts), micro)
+        )
+        scale = 1.0 / parts
+        grads = jax.tree_util.tree_map(lambda g, p: (g * scale).astype(p.dtype), grad_sum, params)
+        changed = {k: v for k, v in variables.items() if k != "params"}
+        aux = Aux(metrics=jax.tree_util.tree_map(lambda m: m * scale, metric_sum), variables=changed)
+        return loss_sum * scale, aux, grads
+
+    def _train_step(self, state: TrainState, batch):
+        step_root = jax.random.split(state.key)[1]
+        step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
+        loss, aux, grads = self._gradients(state, batch, step)
+        params = state.variables["params"]
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+        variables = {**state.variables, **aux.variables, "params": params}
+        variables = self.objective.after_update(variables, step)
+        ema = state.ema
+        if ema is not None:
+            decay = jnp.asarray(self.objective.ema_decay, jnp.float32)
+            ema = jax.tree_util.tree_map(
+                lambda e, p: decay * e + (1.0 - decay) * p.astype(jnp.float32), ema, params
+            )
+        grad_norm = optax.global_norm(grads)
+        metrics = {"loss": loss, **aux.metrics, "grad_norm": grad_norm}
+        metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_state = state.replace(
+            step=state.step + 1,
+            updates=state.updates + 1,
+            variables=variables,
+            opt_state=opt_state,
+            ema=ema,
+        )
+        return new_state, metrics
+
+    def compiled_step(self):
+        """The jitted step, with donated state and explicit shardings."""
+        if self._step_fn is None:
+            _, shardings = self._plan()
+            self._step_fn = jax.jit(
+                self._train_step,
+                in_shardings=(shardings, None),
+                out_shardings=(shardings, mesh_lib.replicated(self.mesh)),
+                donate_argnums=(0,),
+            )
+        return self._step_fn
+
+    # ----------------------------------------------------------------------------------------
+    # Batches.
+
+    def place(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Put this process's rows of a global batch on the mesh, split along the batch axes."""
+        placed = {}
+        processes = jax.process_count()
+        for name, value in batch.items():
+            value = np.asarray(value)
+            sharding = mesh_lib.batch_sharding(self.mesh, max(value.ndim, 1))
+            global_shape = (value.shape[0] * processes,) + value.shape[1:]
+            placed[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
+        return placed
+
+    def _check_batch(self, batch, dataset: Dataset) -> None:
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"Training batches must be dicts of arrays; got {type(batch).__name__}.")
+        spec = getattr(self.objective, "inputs", None)
+        if spec is not None:
+            spec.check(batch)
+        rows = {name: np.shape(value)[0] if np.ndim(value) else None for name, value in batch.items()}
+        if len(set(rows.values())) != 1 or None in rows.values():
+            raise ValueError(f"Every field of a batch needs the same number of rows; got {rows}.")
+        global_rows = next(iter(rows.values())) * jax.process_count()
+        divisor = mesh_lib.batch_divisor(self.mesh) * self.accumulation
+        if global_rows % divisor:
+            raise ValueError(
+                f"The global batch has {global_rows} rows, which does not split into "
+                f"{self.accumulation} microbatch(es) over {mesh_lib.batch_divisor(self.mesh)} "
+                f"data-parallel device(s). Use a batch that is a multiple of {divisor}."
+            )
+
+    # ----------------------------------------------------------------------------------------
+    # The loop.
+
+    def fit(
+        self,
+        dataset: Dataset,
+        *,
+        steps: int,
+        log_every: int = 100,
+        eval_every: int | None = None,
+        checkpoint_every: int | None = None,
+        metrics: Sequence[Any] = (),
+        preview: bool = False,
+    ) -> TrainState:
+        """Train until `state.step == steps` (an absolute target), resuming from checkpoints."""
+        if not isinstance(dataset, Dataset):
+            raise TypeError(f"fit takes a dew.Dataset; got {type(dataset).__name__}.")
+        _check_interval("steps", steps, allow_zero=True)
+        _check_interval("log_every", log_every)
+        for name, value in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
+            if value is not None:
+                _check_interval(name, value)
+        if checkpoint_every is not None and self.checkpoints is None:
+            raise ValueError(
+                "checkpoint_every needs somewhere to write: pass "
+                "Trainer(..., checkpoints=Checkpoints(directory))."
+            )
+        if eval_every is not None and dataset.val is None:
+            raise ValueError("eval_every needs validation data, but this Dataset has val=None.")
+
+        return self._fit(dataset, steps, log_every, eval_every, checkpoint_every, metrics, preview)
+
+    def _fit(self, dataset, steps, log_every, eval_every, checkpoint_every, metrics, preview):
+        self._plan()
+        state, position, last_checkpoint = self.restore_or_init()
+        start = int(state.step)
+        if steps < start:
+            raise ValueError(
+                f"fit(steps={steps}) is below the restored step {start} "
+                f"(in {self.checkpoints.directory}). steps is the absolute target: pass steps >= {start}."
+            )
+        self._log(RunStarted(config=self._config(dataset), start_step=start, target_step=steps))
+        if steps == start:
+            return state
+
+        iterator = dataset.train(Partition.current())
+        resumable = callable(getattr(iterator, "get_state", None)) and callable(
+            getattr(iterator, "set_state", None)
+        )
+        if checkpoint_every is not None and not resumable:
+            raise ValueError(
+                f"checkpoint_every needs an iterator that reports its position (get_state and "
+                f"set_state, as Grain's are), but dataset.train returned a "
+                f"{type(iterator).__name__}. Wrap the data in a Grain dataset (e.g. "
+                f"grain.MapDataset.source(...).to_iter_dataset()) or drop checkpoint_every."
+            )
+        if position is not None:
+            if not resumable:
+                raise ValueError(
+                    "The checkpoint records a data position, but this dataset's iterator cannot "
+                    "restore one (it has no set_state)."
+                )
+            iterator.set_state(position)
+
+        step_fn = self.compiled_step()
+        progress = ProgressReport(start, steps)
+        window: list[dict[str, float]] = []
+        pending: tuple[int, Any] | None = None
+
+        def drain() -> None:
+            """Host-side work for the step in flight: fetch, record and check its metrics."""
+            nonlocal pending
+            if pending is not None:
+                window.append(self._collect(pending, last_checkpoint))
+                progress.advance(pending[0])
+                pending = None
+
+        try:
+            for step in range(start + 1, steps + 1):
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    raise ValueError(
+                        f"The training iterator ran out after {step - 1 - start} batches; training "
+                        "iterators must repeat (e.g. grain's .repeat()) to reach the target step."
+                    ) from None
+                if step == start + 1:
+                    self._check_batch(batch, dataset)
+                saving = checkpoint_every is not None and (step % checkpoint_every == 0 or step == steps)
+                if saving:
+                    position = iterator.get_state()  # after this step's batch, before the next
+                state, step_metrics = step_fn(state, self.place(batch))
+                drain()  # the previous step's metrics: one step late, so the device stays busy
+                pending = (step, step_metrics)
+
+                if saving:
+                    drain()  # never save a state whose loss is not finite
+                    self.checkpoints.save(state, position)
+                    last_checkpoint = step
+                    self._log(CheckpointSaved(step=step, directory=str(self.checkpoints.directory)))
+                if step % log_every == 0 or step == steps:
+                    drain()
+                    self._report(progress, step, steps, window)
+                    window = []
+                if eval_every is not None and (step % eval_every == 0 or step == steps):
+                    self._evaluate(state, dataset, step, metrics, preview, progress)
+        finally:
+            progress.close()
+        return state
+
+    def _collect(self, pending, last_checkpoint) -> dict[str, float]:
+        """Bring one step's metrics to the host, record them, and stop on a non-finite loss."""
+        step, device_metrics = pending
+        fetched = jax.device_get(device_metrics)
+        finite = bool(fetched.pop("finite"))
+        values = {"loss": float(fetched.pop("loss"))}
+        values.update({k: float(v) for k, v in fetched.items()})
+        values["step"] = step
+        self.history.append(values)
+        if not finite:
+            where = (
+                f"the last checkpoint is step {last_checkpoint} in {self.checkpoints.directory}"
+                if last_checkpoint is not None and self.checkpoints is not None
+                else "no checkpoint was written"
+            )
+            message = (
+                f"The loss became non-finite at step {step} (loss {values['loss']}, gradient norm "
+                f"{values['grad_norm']}); {where}. Nothing from step {step} on was saved. Lower the "
+                "learning rate, check the data for NaN/Inf, or use float32 compute."
+            )
+            self._log(Failure(step=step, message=message, last_checkpoint=last_checkpoint))
+            raise FloatingPointError(message)
+        return values
+
+    def _report(self, progress: ProgressReport, step: int, target: int, window) -> None:
+        scalars: dict[str, float] = {}
+        for row in window:
+            for name, value in row.items():
+                if name != "step":
+                    scalars[name] = scalars.get(name, 0.0) + value / len(window)
+        progress.report(step, scalars)
+        self._log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+        self._log(
+            Progress(
+                step=step,
+                target_step=target,
+                steps_per_second=progress.rate(step),
+                eta_seconds=progress.eta(step) if progress.eta(step) != math.inf else -1.0,
+            )
+        )
+
+    def _evaluate(self, state, dataset, step, metrics, preview, progress) -> EvaluationResult:
+        if self._evaluation is None:
+            self._evaluation = Evaluation(self.objective)
+        variables = state.averaged if state.ema is not None else state.variables
+        result = self._evaluation.score(
+            variables,
+            dataset.val,
+            metrics=metrics,
+            key=jax.random.fold_in(self.key, 0x5EED),
+            step=step,
+            preview=preview,
+            place=self.place,
+        )
+        self.evaluations.append(result)
+        if result.scores:
+            progress.message(f"step {step} eval " + " ".join(f"{k} {v:.4g}" for k, v in result.scores.items()))
+            self._log(result.scalars, step=step)
+        if self.tracker is not None:
+            for artifact in result.previews:
+                self.tracker.artifact(artifact, step=step)
+        return result
+
+    def _log(self, data, step=None) -> None:
+        if self.tracker is not None:
+            self.tracker.log(data, step=step)
+
+    def _config(self, dataset: Dataset) -> dict[str, Any]:
+        return {
+            "objective": f"{type(self.objective).__module__}.{type(self.objective).__qualname__}",
+            "mesh": dict(self.mesh.shape),
+            "accumulation": self.accumulation,
+            "batch": dataset.batch,
+            "records": dataset.records,
+            "ema_decay": self.objective.ema_decay,
+        }
+
+
+def _as_key(key: Any) -> jax.Array:
+    if isinstance(key, int):
+        return jax.random.key(key)
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if key.dtype == jnp.uint32 and key.shape == (2,):
+        return jax.random.wrap_key_data(key)
+    raise TypeError(f"key must be a jax.random.key(...) (or an int seed); got {key.dtype}{key.shape}.")
+
+
+def _float32(tree, cast: bool = False):
+    """The EMA copy's leaves: float32 whatever the parameters' storage dtype."""
+    if cast:
+        return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), tree)
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
+
+
+def _optimizer_shardings(optimizer, opt_state, param_shardings, replicated):
+    """Shard optimizer leaves that mirror parameters like those parameters; replicate the rest."""
+    try:
+        return optax.tree_map_params(
+            optimizer,
+            lambda _, sharding: sharding,
+            opt_state,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+    except Exception:  # an optimizer optax cannot map: keep its state replicated
+        return jax.tree_util.tree_map(lambda _: replicated, opt_state)
+
+
+def _check_interval(name: str, value: Any, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}; got {value!r}.")
