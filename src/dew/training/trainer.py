@@ -73,6 +73,7 @@ class Trainer:
         self._shardings: TrainState | None = None
         self._abstract: TrainState | None = None
         self._step_fn = None
+        self._init_fn = None
         self._evaluation: Evaluation | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -128,6 +129,11 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         """A fresh state, created directly in its shardings."""
+        if self._init_fn is None:
+            self._init_fn = self._compile_init()
+        return self._init_fn(self.key, self._held_variables())
+
+    def _compile_init(self):
         _, shardings = self._plan()
         keeps_ema = self.objective.ema_decay is not None
 
@@ -143,7 +149,7 @@ class Trainer:
                 key=key,
             )
 
-        return jax.jit(init, out_shardings=shardings)(self.key, self._held_variables())
+        return jax.jit(init, out_shardings=shardings)
 
     def _abstract_with_shardings(self) -> TrainState:
         abstract, shardings = self._plan()
@@ -234,7 +240,7 @@ class Trainer:
             ema = jax.tree_util.tree_map(
                 lambda e, p: decay * e + (1.0 - decay) * p.astype(jnp.float32), ema, params
             )
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         metrics = {"loss": loss, **aux.metrics, "grad_norm": grad_norm}
         metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = state.replace(
@@ -282,12 +288,16 @@ class Trainer:
         if len(set(rows.values())) != 1 or None in rows.values():
             raise ValueError(f"Every field of a batch needs the same number of rows; got {rows}.")
         global_rows = next(iter(rows.values())) * jax.process_count()
-        divisor = mesh_lib.batch_divisor(self.mesh) * self.accumulation
-        if global_rows % divisor:
+        devices = mesh_lib.batch_divisor(self.mesh)
+        if global_rows % devices:
             raise ValueError(
-                f"The global batch has {global_rows} rows, which does not split into "
-                f"{self.accumulation} microbatch(es) over {mesh_lib.batch_divisor(self.mesh)} "
-                f"data-parallel device(s). Use a batch that is a multiple of {divisor}."
+                f"The global batch has {global_rows} rows, which do not split over the mesh's "
+                f"{devices} batch-parallel devices. Use a batch that is a multiple of {devices}."
+            )
+        if global_rows % self.accumulation:
+            raise ValueError(
+                f"The global batch has {global_rows} rows, which do not split into "
+                f"{self.accumulation} microbatches. Use a batch that is a multiple of {self.accumulation}."
             )
 
     # ----------------------------------------------------------------------------------------

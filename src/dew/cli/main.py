@@ -1,0 +1,38 @@
+"""The `dew` command. Each subcommand is a function; `dew --help` lists them."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _demo(out: str = "runs/demo", steps: int = 600, fresh: bool = True) -> None:
+    """Run the main job on an embedded default: train, checkpoint, and show what was learned."""
+    from dew.cli import demo
+
+    demo.run(out=out, steps=steps, fresh=fresh)
+
+
+def _tokenize(
+    input: str, out: str, tokenizer: str = "byte", val_fraction: float = 0.01, pack: bool = False
+) -> None:
+    """Tokenize a text file into train.bin, val.bin and meta.json (the head of the stream is validation)."""
+    from dew.cli import tokenize
+
+    tokenize.run(input=input, out=out, tokenizer=tokenizer, val_fraction=val_fraction, pack=pack)
+
+
+COMMANDS = {
+    "demo": _demo,
+    "tokenize": _tokenize,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tyro
+
+    args = sys.argv[1:] if argv is None else argv
+    tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, prog="dew")
+
+
+if __name__ == "__main__":
+    main()
