@@ -13,6 +13,13 @@ _EXPORTS = {
     "Dataset": "dew.data.dataset",
     "Loading": "dew.data.dataset",
     "Partition": "dew.data.dataset",
+    "ByteTokenizer": "dew.data.tokenizers",
+    "HFTokenizer": "dew.data.tokenizers",
+    "Tokenizer": "dew.data.tokenizers",
+    "load_tokenizer": "dew.data.tokenizers",
+    "TokenCorpus": "dew.data.tokens",
+    "TokenWindows": "dew.data.tokens",
+    "tokenize": "dew.data.tokens",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -74,6 +74,10 @@ class Loading:
             grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.read_buffer)
         )
         if self.workers > 0:
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; a library never parses argv
+                flags.FLAGS.mark_as_parsed()
             iterable = iterable.mp_prefetch(
                 grain.MultiprocessingOptions(
                     num_workers=self.workers, per_worker_buffer_size=self.worker_buffer

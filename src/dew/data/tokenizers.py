@@ -1,4 +1,4 @@
-"""Text tokenizers: raw UTF-8 bytes, and Hugging Face `tokenizers` files read from a local directory.
+"""Text tokenizers: raw UTF-8 bytes, and Hugging Face `tokenizers` files from a local directory.
 
 Both follow one small protocol (`Tokenizer`): `encode`, `decode`, `vocab_size`, the special ids
 (`eos_id`, `bos_id`, `pad_id`, each an int or None), `chat_template`, `save(directory)`, and
@@ -51,8 +51,8 @@ def _id_list(ids: Iterable[int] | np.ndarray) -> list[int]:
     array = np.asarray(ids)
     if array.ndim != 1:
         raise ValueError(
-            f"decode takes one sequence of token ids (a 1-D array or list); got shape {array.shape}. "
-            "Decode a batch row by row."
+            "decode takes one sequence of token ids (a 1-D array or list); got shape "
+            f"{array.shape}. Decode a batch row by row."
         )
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"decode takes integer token ids; got dtype {array.dtype}.")
@@ -82,7 +82,7 @@ class ByteTokenizer:
         return [self.encode(text) for text in texts]
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Bytes back to text, dropping padding; a sequence cut inside a character decodes to U+FFFD."""
+        """Bytes back to text, dropping padding; a character cut short decodes to U+FFFD."""
         values = _id_list(ids)
         bad = [value for value in values if not 0 <= value < 256]
         if bad:
@@ -90,7 +90,7 @@ class ByteTokenizer:
         return bytes(value for value in values if value != self.pad_id).decode("utf-8", "replace")
 
     def save(self, directory: str | Path) -> Path:
-        """Write `dew_tokenizer.json`, a marker from which `load_tokenizer(directory)` rebuilds it."""
+        """Write `dew_tokenizer.json`, a marker `load_tokenizer(directory)` rebuilds it from."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / _MARKER_FILE).write_text(json.dumps({"tokenizer": BYTE}, indent=2) + "\n")
@@ -123,9 +123,9 @@ class HFTokenizer:
             raise FileNotFoundError(
                 f"HFTokenizer reads a local directory holding tokenizer.json; {str(name_or_dir)!r} "
                 "is not a directory. Dew downloads nothing: fetch the files first (for example "
-                f"`hf download {name_or_dir} tokenizer.json tokenizer_config.json --local-dir DIR`, "
-                "or transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`) and pass "
-                "that directory."
+                f"`hf download {name_or_dir} tokenizer.json tokenizer_config.json --local-dir "
+                "DIR`, or transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`) "
+                "and pass that directory."
             )
         if not (directory / "tokenizer.json").is_file():
             present = sorted(path.name for path in directory.iterdir())[:10]
@@ -139,7 +139,9 @@ class HFTokenizer:
         self.directory = directory.resolve()
         self._tokenizer = _RustTokenizer.from_file(str(directory / "tokenizer.json"))
         config_path = directory / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.config: dict[str, Any] = {}
+        if config_path.is_file():
+            self.config = json.loads(config_path.read_text())
 
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
@@ -163,8 +165,8 @@ class HFTokenizer:
         index = self._tokenizer.token_to_id(token)
         if index is None:
             raise ValueError(
-                f"tokenizer_config.json in {self.directory} names {field}={token!r}, which is not in "
-                "the vocabulary of tokenizer.json."
+                f"tokenizer_config.json in {self.directory} names {field}={token!r}, which is not "
+                "in the vocabulary of tokenizer.json."
             )
         return index
 
@@ -176,7 +178,9 @@ class HFTokenizer:
         """
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: list[str], *, add_special_tokens: bool = False) -> list[list[int]]:
+    def encode_batch(
+        self, texts: list[str], *, add_special_tokens: bool = False
+    ) -> list[list[int]]:
         """`encode` over many texts at once (in parallel, in Rust)."""
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [encoding.ids for encoding in encodings]

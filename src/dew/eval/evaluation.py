@@ -123,5 +123,6 @@ class Evaluation:
                 scores.update({f"val/{k}": float(v) for k, v in metric.result(accumulator).items()})
         previews = []
         if preview:
-            previews = list(self.objective.preview(variables, jax.random.fold_in(key, -1 & 0x7FFFFFFF), step))
+            preview_key = jax.random.fold_in(key, 2**31 - 1)  # a stream apart from the batches
+            previews = list(self.objective.preview(variables, preview_key, step))
         return EvaluationResult(scores=scores, step=int(step), previews=previews, batches=batches)
