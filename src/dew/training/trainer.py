@@ -74,6 +74,8 @@ class Trainer:
         self._abstract: TrainState | None = None
         self._step_fn = None
         self._init_fn = None
+        self._batch_shardings: dict[int, Any] = {}
+        self._metric_names: tuple[str, ...] = ()
         self._evaluation: Evaluation | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -242,7 +244,15 @@ class Trainer:
             )
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": loss, **aux.metrics, "grad_norm": grad_norm}
+        for name, value in metrics.items():
+            if jnp.ndim(value) != 0:
+                raise ValueError(
+                    f"Aux metric {name!r} has shape {jnp.shape(value)}; logged metrics must be scalars."
+                )
         metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # One float32 vector, so the host fetches every metric in a single transfer.
+        self._metric_names = tuple(metrics)
+        metrics = jnp.stack([jnp.asarray(v, jnp.float32) for v in metrics.values()])
         new_state = state.replace(
             step=state.step + 1,
             updates=state.updates + 1,
@@ -269,6 +279,9 @@ class Trainer:
 
     def place(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Put this process's rows of a global batch on the mesh, split along the batch axes."""
+        if jax.process_count() == 1:
+            shardings = {k: self._batch_sharding(np.ndim(v)) for k, v in batch.items()}
+            return jax.device_put(dict(batch), shardings)
         placed = {}
         processes = jax.process_count()
         for name, value in batch.items():
@@ -277,6 +290,12 @@ class Trainer:
             global_shape = (value.shape[0] * processes,) + value.shape[1:]
             placed[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
         return placed
+
+    def _batch_sharding(self, ndim: int):
+        cached = self._batch_shardings.get(ndim)
+        if cached is None:
+            cached = self._batch_shardings[ndim] = mesh_lib.batch_sharding(self.mesh, max(ndim, 1))
+        return cached
 
     def _check_batch(self, batch, dataset: Dataset) -> None:
         if not isinstance(batch, Mapping):
@@ -413,10 +432,8 @@ class Trainer:
     def _collect(self, pending, last_checkpoint) -> dict[str, float]:
         """Bring one step's metrics to the host, record them, and stop on a non-finite loss."""
         step, device_metrics = pending
-        fetched = jax.device_get(device_metrics)
-        finite = bool(fetched.pop("finite"))
-        values = {"loss": float(fetched.pop("loss"))}
-        values.update({k: float(v) for k, v in fetched.items()})
+        values = dict(zip(self._metric_names, np.asarray(device_metrics).tolist()))
+        finite = bool(values.pop("finite"))
         values["step"] = step
         self.history.append(values)
         if not finite:
