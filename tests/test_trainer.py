@@ -260,3 +260,12 @@ def test_bad_arguments_fail_with_what_was_expected():
         trainer.fit(linear_data(), steps=2, checkpoint_every=1)
     with pytest.raises(ValueError, match="eval_every needs validation data"):
         trainer.fit(linear_data(), steps=2, eval_every=1)
+
+
+def test_a_batch_smaller_than_the_data_axis_is_replicated_with_a_warning():
+    small = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.warns(UserWarning, match="4 rows, which do not split over the mesh's 8"):
+        state = small.fit(linear_data(batch=4), steps=2, log_every=2)
+    placed = small.place({"x": np.zeros((4, 3), np.float32)})
+    assert placed["x"].sharding.is_fully_replicated
+    assert int(state.step) == 2

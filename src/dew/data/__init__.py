@@ -13,6 +13,7 @@ _EXPORTS = {
     "Dataset": "dew.data.dataset",
     "Loading": "dew.data.dataset",
     "Partition": "dew.data.dataset",
+    "Role": "dew.data.chat",
     "ByteTokenizer": "dew.data.tokenizers",
     "HFTokenizer": "dew.data.tokenizers",
     "Tokenizer": "dew.data.tokenizers",

@@ -123,6 +123,14 @@ class Objective:
         """Return `(scalar loss, Aux)` for one batch."""
         raise NotImplementedError(f"{type(self).__name__} must implement loss(variables, batch, step).")
 
+    def check(self, batch: Mapping[str, Any]) -> None:
+        """Check the first batch on the host, before compiling; raise with a clear message.
+
+        By default this checks `inputs`; objectives add their own checks (token ids in range).
+        """
+        if self.inputs is not None:
+            self.inputs.check(batch)
+
     def evaluate(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
         """Outputs that validation metrics read. By default the loss and the loss's metrics."""
         loss, aux = self.loss(variables, batch, step)

@@ -10,6 +10,7 @@ progress at their intervals.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,7 +75,7 @@ class Trainer:
         self._abstract: TrainState | None = None
         self._step_fn = None
         self._init_fn = None
-        self._batch_shardings: dict[int, Any] = {}
+        self._batch_shardings: dict[tuple[int, bool], Any] = {}
         self._metric_names: tuple[str, ...] = ()
         self._evaluation: Evaluation | None = None
 
@@ -280,7 +281,7 @@ class Trainer:
     def place(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Put this process's rows of a global batch on the mesh, split along the batch axes."""
         if jax.process_count() == 1:
-            shardings = {k: self._batch_sharding(np.ndim(v)) for k, v in batch.items()}
+            shardings = {k: self._batch_sharding(np.shape(v)) for k, v in batch.items()}
             return jax.device_put(dict(batch), shardings)
         placed = {}
         processes = jax.process_count()
@@ -291,28 +292,37 @@ class Trainer:
             placed[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
         return placed
 
-    def _batch_sharding(self, ndim: int):
-        cached = self._batch_shardings.get(ndim)
+    def _batch_sharding(self, shape: tuple[int, ...]):
+        """Split rows over the batch axes; a batch too small to split is replicated instead."""
+        splits = bool(shape) and shape[0] % mesh_lib.batch_divisor(self.mesh) == 0
+        key = (len(shape), splits)
+        cached = self._batch_shardings.get(key)
         if cached is None:
-            cached = self._batch_shardings[ndim] = mesh_lib.batch_sharding(self.mesh, max(ndim, 1))
+            cached = (
+                mesh_lib.batch_sharding(self.mesh, len(shape))
+                if splits
+                else mesh_lib.replicated(self.mesh)
+            )
+            self._batch_shardings[key] = cached
         return cached
 
     def _check_batch(self, batch, dataset: Dataset) -> None:
         if not isinstance(batch, Mapping):
             raise TypeError(f"Training batches must be dicts of arrays; got {type(batch).__name__}.")
-        spec = getattr(self.objective, "inputs", None)
-        if spec is not None:
-            spec.check(batch)
+        self.objective.check(batch)
         rows = {name: np.shape(value)[0] if np.ndim(value) else None for name, value in batch.items()}
         if len(set(rows.values())) != 1 or None in rows.values():
             raise ValueError(f"Every field of a batch needs the same number of rows; got {rows}.")
         global_rows = next(iter(rows.values())) * jax.process_count()
         devices = mesh_lib.batch_divisor(self.mesh)
         if global_rows % devices:
-            raise ValueError(
+            message = (
                 f"The global batch has {global_rows} rows, which do not split over the mesh's "
-                f"{devices} batch-parallel devices. Use a batch that is a multiple of {devices}."
+                f"{devices} batch-parallel devices. Use a batch that is a multiple of {devices}"
             )
+            if jax.process_count() > 1:
+                raise ValueError(message + ".")
+            warnings.warn(message + "; until then every device computes the whole batch.", stacklevel=3)
         if global_rows % self.accumulation:
             raise ValueError(
                 f"The global batch has {global_rows} rows, which do not split into "

@@ -1,0 +1,195 @@
+"""Language modeling: next-token loss, perplexity over a validation pass, and text previews.
+
+A batch row under "text" holds `seq_len + 1` token ids: the model reads the first `seq_len` and is
+scored on predicting the last `seq_len`. Optional columns shape which targets count:
+- "segment_ids" / "positions" (packed documents): attention stays inside a document, and targets
+  whose segment id is 0 (padding) are skipped;
+- "mask" (1 for a real token, 0 for padding): targets on padding are skipped;
+- "text_roles" (a `Role` per token): with `loss_role`, only targets of that role count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Aux, Field, InputSpec, Objective
+from dew.sampling.text import Sampling, generate
+from dew.tracking.records import Artifact
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """A text preview: continue `prompt` by `max_new_tokens` tokens, `n` times.
+
+    `prompt` is token ids or, with a `tokenizer`, a string; the artifact holds decoded text when a
+    tokenizer is given and token ids otherwise.
+    """
+
+    prompt: Any
+    max_new_tokens: int = 32
+    n: int = 1
+    sampling: Sampling = Sampling(temperature=0.0)
+    tokenizer: Any = None
+
+    def prompt_ids(self) -> list[int]:
+        if isinstance(self.prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Samples with a text prompt needs tokenizer=.")
+            return list(self.tokenizer.encode(self.prompt))
+        return [int(t) for t in self.prompt]
+
+
+@dataclasses.dataclass(frozen=True)
+class Perplexity:
+    """exp of the token-weighted mean loss over the whole validation pass."""
+
+    name: str = "perplexity"
+
+    def empty(self):
+        return 0.0, 0.0
+
+    def update(self, accumulator, outputs):
+        if "loss_sum" not in outputs or "tokens" not in outputs:
+            raise ValueError(
+                "Perplexity reads 'loss_sum' and 'tokens' from the objective's evaluate(); "
+                f"this objective returned {sorted(outputs)}."
+            )
+        total, tokens = accumulator
+        return total + float(outputs["loss_sum"]), tokens + float(outputs["tokens"])
+
+    def result(self, accumulator):
+        total, tokens = accumulator
+        if tokens == 0:
+            raise ValueError("Perplexity saw no scored tokens in the validation pass.")
+        return {self.name: math.exp(total / tokens)}
+
+
+class LMObjective(Objective):
+    """Next-token cross-entropy for a decoder such as `CausalTransformer`.
+
+    `model` may also be a loaded checkpoint bundle (anything with `.model` and `.variables`), in
+    which case training starts from its weights. `variables=` starts from given weights.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        seq_len: int,
+        *,
+        variables: Mapping[str, Any] | None = None,
+        loss_role: int | None = None,
+        ema_decay: float | None = None,
+        samples: Samples | None = None,
+        tokenizer: Any = None,
+    ):
+        if hasattr(model, "model") and hasattr(model, "variables"):  # a pretrained bundle
+            variables = model.variables if variables is None else variables
+            tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+            model = model.model
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
+        limit = getattr(model, "max_seq_len", None)
+        if limit is not None and seq_len > limit:
+            raise ValueError(
+                f"seq_len={seq_len} is longer than the model's max_seq_len={limit}; "
+                f"use seq_len <= {limit} or build the model with a larger max_seq_len."
+            )
+        if variables is not None and "params" not in variables:
+            raise ValueError(f"variables must hold a 'params' collection; got {sorted(variables)}.")
+        self.model = model
+        self.seq_len = seq_len
+        self.variables = variables
+        self.loss_role = None if loss_role is None else int(loss_role)
+        self.ema_decay = ema_decay
+        self.samples = samples
+        self.tokenizer = tokenizer
+        self.inputs = InputSpec(Field("text", (seq_len + 1,)))
+
+    def init(self, key, variables=None):
+        if variables is not None:
+            return variables
+        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+
+    def check(self, batch) -> None:
+        super().check(batch)
+        tokens = np.asarray(batch["text"])
+        vocab = getattr(self.model, "vocab_size", None)
+        if vocab is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise ValueError(
+                f"Batch field 'text' holds token ids in [{tokens.min()}, {tokens.max()}], but the "
+                f"model's vocabulary has {vocab} ids (0..{vocab - 1}). Tokenize with the model's "
+                "tokenizer, or build the model with a larger vocab_size."
+            )
+        if self.loss_role is not None and "text_roles" not in batch:
+            raise ValueError(
+                f"loss_role={self.loss_role} needs a 'text_roles' column beside 'text' "
+                f"(the batch has {sorted(batch)})."
+            )
+
+    def token_losses(self, variables, batch):
+        """Per-target cross-entropy `[B, seq_len]` and the float mask of targets that count."""
+        tokens = batch["text"]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        kwargs = {}
+        mask = jnp.ones(targets.shape, jnp.float32)
+        if "segment_ids" in batch:
+            kwargs["segment_ids"] = batch["segment_ids"][:, :-1]
+            mask = mask * (batch["segment_ids"][:, 1:] > 0)
+        if "positions" in batch:
+            kwargs["positions"] = batch["positions"][:, :-1]
+        if "mask" in batch:
+            mask = mask * (batch["mask"][:, 1:] > 0)
+        if self.loss_role is not None:
+            mask = mask * (batch["text_roles"][:, 1:] == self.loss_role)
+        logits = self.model.apply(variables, inputs, **kwargs).astype(jnp.float32)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        losses = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        return losses, mask
+
+    def loss(self, variables, batch, step):
+        losses, mask = self.token_losses(variables, batch)
+        tokens = jnp.sum(mask)
+        loss = jnp.sum(losses * mask) / jnp.maximum(tokens, 1.0)
+        return loss, Aux(metrics={"tokens": tokens})
+
+    def evaluate(self, variables, batch, step):
+        losses, mask = self.token_losses(variables, batch)
+        tokens = jnp.sum(mask)
+        loss_sum = jnp.sum(losses * mask)
+        return {"loss": loss_sum / jnp.maximum(tokens, 1.0), "loss_sum": loss_sum, "tokens": tokens}
+
+    def preview(self, variables, key, step):
+        if self.samples is None:
+            return []
+        samples = self.samples
+        result = generate(
+            self.model, variables, [samples.prompt_ids()], samples.max_new_tokens,
+            key=key, sampling=samples.sampling, n=samples.n,
+        ).host()
+        rows = [tokens[: int(length)] for tokens, length in zip(result.tokens, result.lengths)]
+        tokenizer = samples.tokenizer or self.tokenizer
+        if tokenizer is not None:
+            prompt = tokenizer.decode(samples.prompt_ids())
+            lines = [prompt + tokenizer.decode([int(t) for t in row]) for row in rows]
+        else:
+            lines = [" ".join(str(int(t)) for t in samples.prompt_ids() + list(row)) for row in rows]
+        return [Artifact("samples", "text", "\n".join(lines))]
+
+    def policy(self, variables, sampling: Sampling = Sampling()):
+        """A TextGeneration task over `variables` (the rollout policy in post-training)."""
+        from dew.inference.text import TextGeneration
+
+        return TextGeneration(self.model, variables, sampling=sampling, tokenizer=self.tokenizer)
+
+    def pipeline(self, state, sampling: Sampling = Sampling(temperature=0.0)):
+        """A TextGeneration task over a trained state (its EMA weights when it keeps them)."""
+        variables = state.averaged if state.ema is not None else state.variables
+        return self.policy(variables, sampling)
+
