@@ -1,0 +1,446 @@
+"""A dense decoder-only transformer in Llama/Qwen3 form.
+
+token embedding -> num_layers x DecoderBlock -> RMSNorm -> lm head (tied to the embedding or not)
+
+DecoderBlock (pre-norm, as in Llama):
+    x = x + self_attn(input_layernorm(x))          GQA attention with RoPE (and Qwen3's q/k norm)
+    x = x + mlp(post_attention_layernorm(x))       SwiGLU: down(silu(gate(x)) * up(x))
+
+Parameter names follow Hugging Face's Llama layout (``layers_3/self_attn/q_proj/kernel`` for
+``model.layers.3.self_attn.q_proj.weight``), with 2-D ``[in, out]`` kernels, so a checkpoint's
+weight table is a rename plus a transpose. Every parameter carries logical axis names for
+sharding. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype; logits come back in
+float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import FrozenDict
+from jax.ad_checkpoint import checkpoint_name
+
+from dew.nn.attention import check_attention_impl, dot_product_attention
+from dew.nn.backbones.layer_plan import LayerKind, resolve_layer_plan
+from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv
+from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
+
+REMAT_POLICIES = ("full", "minimal", "save_qkv_proj")
+INIT_STD = 0.02  # N(0, 0.02) for every weight, as in GPT-2 / Llama's initializer_range
+
+
+def check_tokens(tokens: Any, vocab_size: int) -> None:
+    """Raise a ValueError when concrete token ids fall outside ``[0, vocab_size)``.
+
+    Traced arrays (inside jit) cannot be inspected and pass through unchecked.
+    """
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"token id {int(ids[where])} at index {where} is outside the vocabulary "
+            f"[0, {vocab_size}); {len(bad)} id(s) out of range. Check the tokenizer matches the "
+            f"model's vocab_size={vocab_size}"
+        )
+
+
+def remat_policy(name: str | None):
+    """The jax.checkpoint policy for a remat name (None: no rematerialization)."""
+    if name is None:
+        return None
+    policies = {
+        "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
+        "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+        "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
+    }
+    if name not in policies:
+        raise ValueError(f"remat={name!r} is not a known policy; use None or one of {REMAT_POLICIES}")
+    return policies[name]
+
+
+def _dense(features, axes, name, *, use_bias=False, std=INIT_STD, dtype, param_dtype):
+    """nn.Dense with logically named kernel [in, out] and bias [out]."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * scale, computed in float32 like HF's LlamaRMSNorm."""
+
+    eps: float = 1e-6
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+            (x.shape[-1],), self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm, and a KV cache."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    window: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_seq_len: int = 2048
+    qk_norm: bool = True
+    use_bias: bool = False
+    norm_eps: float = 1e-6
+    causal: bool = True
+    attention_impl: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids=None, layer_cache=None, kv_lengths=None, window=None):
+        batch, length, emb = x.shape
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        q = _dense(heads * head_dim, ("embed", "heads"), "q_proj", **dense)(x)
+        k = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
+        v = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
+        q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
+        q = q.reshape(batch, length, heads, head_dim)
+        k = k.reshape(batch, length, kv_heads, head_dim)
+        v = v.reshape(batch, length, kv_heads, head_dim)
+
+        if self.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before the rotation
+            norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+            q = RMSNorm(name="q_norm", **norm)(q)
+            k = RMSNorm(name="k_norm", **norm)(k)
+
+        inv_freq, attention_factor = rope_frequencies(
+            head_dim, self.rope_theta, self.rope_scaling, _rope_context(self.rope_scaling, self.max_seq_len)
+        )
+        cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        window = self.window if window is None else window
+        attend = dict(causal=self.causal, window=window, impl=self.attention_impl)
+        if layer_cache is None:
+            out = dot_product_attention(q, k, v, segment_ids=segment_ids, **attend)
+            new_cache = None
+        else:
+            # write this call's keys at their positions, then attend over the whole cache: slot s
+            # holds position s, and slots at or past each row's new length are still empty
+            cache_k, cache_v = layer_cache
+            cache_k, cache_v = write_kv(cache_k, k, positions), write_kv(cache_v, v, positions)
+            out = dot_product_attention(
+                q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), q_positions=positions,
+                kv_positions=jnp.arange(cache_k.shape[1], dtype=jnp.int32), kv_lengths=kv_lengths,
+                **attend,
+            )
+            new_cache = (cache_k, cache_v)
+
+        out = out.reshape(batch, length, heads * head_dim)
+        out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
+        out = _dense(emb, ("heads", "embed"), "o_proj", std=out_std, **dense)(out)
+        return out, new_cache
+
+
+def _rope_context(rope_scaling: Mapping[str, Any] | None, max_seq_len: int) -> int:
+    """The context length RoPE scaling reads (HF's max_position_embeddings).
+
+    A checkpoint's context length can differ from the ``max_seq_len`` a user runs it at, so
+    ``rope_scaling["max_position_embeddings"]`` (a Dew key) overrides it.
+    """
+    if rope_scaling is not None and rope_scaling.get("max_position_embeddings"):
+        return int(rope_scaling["max_position_embeddings"])
+    return max_seq_len
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202): down(silu(gate(x)) * up(x))."""
+
+    features: int
+    num_layers: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
+        up = _dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
+        out_std = INIT_STD / math.sqrt(2 * self.num_layers)
+        return _dense(x.shape[-1], ("mlp", "embed"), "down_proj", std=out_std, **dense)(nn.silu(gate) * up)
+
+
+class DecoderBlock(nn.Module):
+    """One pre-norm decoder layer; returns ``(x, new_layer_cache)`` so it can be scanned."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_features: int
+    num_layers: int
+    window: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-6
+    qk_norm: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    causal: bool = True
+    attention_impl: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids=None, layer_cache=None, kv_lengths=None, window=None):
+        norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+        attention = SelfAttention(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            num_layers=self.num_layers, window=self.window, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len, qk_norm=self.qk_norm,
+            use_bias=self.attention_bias, norm_eps=self.norm_eps, causal=self.causal,
+            attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
+            name="self_attn",
+        )
+        h, new_cache = attention(
+            RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids, layer_cache, kv_lengths, window
+        )
+        x = x + h
+        mlp = MLP(self.mlp_features, self.num_layers, use_bias=self.mlp_bias, dtype=self.dtype,
+                  param_dtype=self.param_dtype, name="mlp")
+        x = x + mlp(RMSNorm(name="post_attention_layernorm", **norm)(x))
+        return x, new_cache
+
+
+class CausalTransformer(nn.Module):
+    """Decoder-only language model: tokens ``[B, L]`` -> float32 logits ``[B, L, vocab_size]``.
+
+    ``model.apply(variables, tokens, positions=None, segment_ids=None)`` returns logits;
+    with ``cache=`` (from `init_cache`) it returns ``(logits, new_cache)``, writing each row's
+    keys and values at its positions (default: right after what the row already holds).
+
+    Attributes beyond the usual sizes:
+      num_kv_heads: key/value heads for grouped-query attention (default: num_heads).
+      head_dim: per-head width (default: emb_features // num_heads).
+      mlp_features: SwiGLU hidden width (default: 4 * emb_features).
+      rope_scaling: an HF ``rope_scaling`` dict (types "linear", "llama3", "yarn") or None.
+      qk_norm: Qwen3's RMSNorm on each query/key head before RoPE.
+      layer_types, kinds: per-layer attention pattern (see layer_plan.py).
+      attention_impl: "auto", "reference", "xla" or "cudnn"; never changes the parameters.
+      scan_layers: run the layers with nn.scan (params stacked under ``layers/``).
+      remat: None, "full", "minimal" or "save_qkv_proj".
+    """
+
+    vocab_size: int
+    emb_features: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mlp_features: int | None = None
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    norm_eps: float = 1e-6
+    qk_norm: bool = True
+    tie_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    causal: bool = True
+    layer_types: Sequence[str] | None = None
+    kinds: Mapping[str, LayerKind] | None = None
+    attention_impl: str = "auto"
+    scan_layers: bool = False
+    remat: str | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        # hashable, immutable copies of the container settings (so the module can key a jit cache)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
+            object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
+        if self.kinds is not None and not isinstance(self.kinds, FrozenDict):
+            object.__setattr__(self, "kinds", FrozenDict(self.kinds))
+        if self.layer_types is not None and not isinstance(self.layer_types, tuple):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self._validate()
+        super().__post_init__()
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.kv_heads}; "
+                "grouped-query attention shares each key/value head among num_heads // num_kv_heads query heads"
+            )
+        if self.head_dim is None and self.emb_features % self.num_heads:
+            raise ValueError(
+                f"emb_features={self.emb_features} is not divisible by num_heads={self.num_heads}; "
+                "pass head_dim explicitly"
+            )
+        if self.head_features % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_features}")
+        check_attention_impl(self.attention_impl)
+        remat_policy(self.remat)
+        rope_type(self.rope_scaling)
+        plan = self.layer_plan
+        if self.scan_layers and len({kind.rope_theta for kind in plan}) > 1:
+            raise ValueError(
+                "scan_layers=True needs every layer kind to share rope_theta (only windows may differ "
+                "between scanned layers); use scan_layers=False for this layer pattern"
+            )
+
+    # --- sizes, computed in plain sight ---------------------------------------------------------
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_features(self) -> int:
+        return self.emb_features // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def hidden_features(self) -> int:
+        return 4 * self.emb_features if self.mlp_features is None else self.mlp_features
+
+    @property
+    def layer_plan(self) -> tuple[LayerKind, ...]:
+        return resolve_layer_plan(self.num_layers, self.layer_types, self.kinds)
+
+    def init_cache(self, batch_size: int, max_len: int | None = None, dtype: Any = None) -> KVCache:
+        """An empty KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens."""
+        max_len = self.max_seq_len if max_len is None else max_len
+        return init_kv_cache(
+            num_layers=self.num_layers, batch_size=batch_size, max_len=max_len,
+            kv_heads=self.kv_heads, head_dim=self.head_features,
+            dtype=self.dtype if dtype is None else dtype, stacked=self.scan_layers,
+        )
+
+    # --- forward ---------------------------------------------------------------------------------
+
+    @nn.compact
+    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None):
+        tokens = jnp.asarray(tokens) if not isinstance(tokens, jax.core.Tracer) else tokens
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, length] token ids, got shape {tokens.shape}")
+        batch, length = tokens.shape
+        if length > self.max_seq_len:
+            raise ValueError(
+                f"sequence of {length} tokens is longer than max_seq_len={self.max_seq_len}; "
+                "shorten it or build the model with a larger max_seq_len"
+            )
+        check_tokens(tokens, self.vocab_size)
+
+        kv_lengths = None
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids are not supported together with a KV cache")
+            if length > cache.max_len:
+                raise ValueError(f"{length} tokens do not fit a KV cache of max_len={cache.max_len}")
+            if positions is None:
+                positions = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
+            positions = jnp.broadcast_to(positions, (batch, length)).astype(jnp.int32)
+            kv_lengths = jnp.max(positions, axis=1) + 1
+        elif positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        else:
+            positions = jnp.broadcast_to(positions, (batch, length)).astype(jnp.int32)
+
+        embed = nn.Embed(
+            self.vocab_size, self.emb_features, dtype=self.dtype, param_dtype=self.param_dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), ("vocab", "embed")),
+            name="embed_tokens",
+        )
+        x = embed(tokens)
+
+        plan = self.layer_plan
+        block_args = dict(
+            num_heads=self.num_heads, num_kv_heads=self.kv_heads, head_dim=self.head_features,
+            mlp_features=self.hidden_features, num_layers=self.num_layers, rope_scaling=self.rope_scaling,
+            max_seq_len=self.max_seq_len, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
+            attention_bias=self.attention_bias, mlp_bias=self.mlp_bias, causal=self.causal,
+            attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
+        )
+        block_cls = DecoderBlock
+        if self.remat is not None:
+            block_cls = nn.remat(DecoderBlock, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)
+
+        if self.scan_layers:
+            x, new_k, new_v = self._scanned_layers(block_cls, block_args, plan, x, positions, segment_ids,
+                                                   cache, kv_lengths)
+        else:
+            new_k, new_v = [], []
+            for i, kind in enumerate(plan):
+                theta = self.rope_theta if kind.rope_theta is None else kind.rope_theta
+                block = block_cls(window=kind.window, rope_theta=theta, name=f"layers_{i}", **block_args)
+                layer_cache = None if cache is None else cache.layer(i)
+                x, layer_cache = block(x, positions, segment_ids, layer_cache, kv_lengths, None)
+                if cache is not None:
+                    new_k.append(layer_cache[0])
+                    new_v.append(layer_cache[1])
+            new_k, new_v = tuple(new_k), tuple(new_v)
+
+        x = RMSNorm(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
+        if self.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = _dense(self.vocab_size, ("embed", "vocab"), "lm_head", dtype=self.dtype,
+                            param_dtype=self.param_dtype)(x)
+        logits = logits.astype(jnp.float32)
+        if cache is None:
+            return logits
+        return logits, KVCache(k=new_k, v=new_v, lengths=kv_lengths)
+
+    def _scanned_layers(self, block_cls, block_args, plan, x, positions, segment_ids, cache, kv_lengths):
+        """All layers as one nn.scan over a stacked block; windows may differ per layer."""
+        windows = {kind.window for kind in plan}
+        theta = self.rope_theta if plan[0].rope_theta is None else plan[0].rope_theta
+        if len(windows) == 1:
+            static_window, layer_windows = plan[0].window, None
+        else:  # per-layer windows ride along as scanned data; 0 means "no window"
+            static_window = None
+            layer_windows = jnp.asarray([kind.window or 0 for kind in plan], jnp.int32)
+        scanned = nn.scan(
+            block_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
+            length=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        stack = scanned(window=static_window, rope_theta=theta, name="layers", **block_args)
+        layer_cache = None if cache is None else (cache.k, cache.v)
+        x, new_cache = stack(x, positions, segment_ids, layer_cache, kv_lengths, layer_windows)
+        if new_cache is None:
+            return x, None, None
+        return x, new_cache[0], new_cache[1]

@@ -1,0 +1,174 @@
+"""dot_product_attention: masks (causal, window, segments, lengths), GQA, and kernel choice."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn.attention import dot_product_attention, resolve_attention_impl
+
+
+def _qkv(seed=0, batch=2, length=10, heads=4, kv_heads=2, head_dim=8, kv_length=None):
+    rng = np.random.default_rng(seed)
+    kv_length = length if kv_length is None else kv_length
+    q = rng.normal(size=(batch, length, heads, head_dim)).astype(np.float32)
+    k = rng.normal(size=(batch, kv_length, kv_heads, head_dim)).astype(np.float32)
+    v = rng.normal(size=(batch, kv_length, kv_heads, head_dim)).astype(np.float32)
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+
+
+def _naive(q, k, v, allowed):
+    """Per-query loop in float64: softmax over the keys allowed(b, i, j) says it may see."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, q_len, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for i in range(q_len):
+            keys = [j for j in range(k.shape[1]) if allowed(b, i, j)]
+            for h in range(heads):
+                logits = np.array([q[b, i, h] @ k[b, j, h // groups] for j in keys]) / np.sqrt(head_dim)
+                weights = np.exp(logits - logits.max())
+                weights /= weights.sum()
+                out[b, i, h] = sum(w * v[b, j, h // groups] for w, j in zip(weights, keys))
+    return out
+
+
+SEGMENTS = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(causal=True),
+        dict(causal=False),
+        dict(causal=True, window=3),
+        dict(causal=True, segment_ids=SEGMENTS),
+        dict(causal=True, window=2, segment_ids=SEGMENTS),
+        dict(causal=False, segment_ids=SEGMENTS),
+    ],
+    ids=["causal", "bidirectional", "window", "segments", "window+segments", "bidirectional+segments"],
+)
+def test_reference_and_xla_kernels_agree_with_gqa(options):
+    q, k, v = _qkv()
+    reference = dot_product_attention(q, k, v, impl="reference", **options)
+    xla = dot_product_attention(q, k, v, impl="xla", **options)
+    auto = dot_product_attention(q, k, v, impl="auto", **options)
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(reference), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(auto), np.asarray(reference), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("window", [1, 3, 20])
+def test_sliding_window_matches_a_per_position_loop(impl, window):
+    q, k, v = _qkv(seed=1)
+    got = dot_product_attention(q, k, v, causal=True, window=window, impl=impl)
+    want = _naive(q, k, v, lambda b, i, j: i - window < j <= i)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_the_loop_reference_can_fail_on_an_off_by_one_window():
+    q, k, v = _qkv(seed=1)
+    got = dot_product_attention(q, k, v, causal=True, window=3, impl="reference")
+    wrong = _naive(q, k, v, lambda b, i, j: i - 4 < j <= i)  # four keys, not three
+    assert np.abs(np.asarray(got) - wrong).max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_segment_ids_block_attention_across_documents(impl):
+    q, k, v = _qkv(seed=2)
+    got = dot_product_attention(q, k, v, causal=True, segment_ids=SEGMENTS, impl=impl)
+    want = _naive(q, k, v, lambda b, i, j: j <= i and SEGMENTS[b, i] == SEGMENTS[b, j])
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    # changing the keys/values of the last document leaves the earlier documents untouched
+    k2 = k.at[0, 7:].add(3.0)
+    v2 = v.at[0, 7:].add(3.0)
+    moved = dot_product_attention(q, k2, v2, causal=True, segment_ids=SEGMENTS, impl=impl)
+    np.testing.assert_array_equal(np.asarray(moved)[0, :7], np.asarray(got)[0, :7])
+    assert np.abs(np.asarray(moved)[0, 7:] - np.asarray(got)[0, 7:]).max() > 1e-3
+
+
+def test_bidirectional_attention_sees_later_keys():
+    q, k, v = _qkv(seed=3)
+    got = dot_product_attention(q, k, v, causal=False, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), _naive(q, k, v, lambda b, i, j: True), atol=2e-5)
+    causal = dot_product_attention(q, k, v, causal=True, impl="reference")
+    assert np.abs(np.asarray(got)[:, 0] - np.asarray(causal)[:, 0]).max() > 1e-3
+
+
+def test_grouped_query_attention_shares_each_kv_head_among_consecutive_query_heads():
+    q, k, v = _qkv(seed=4, heads=6, kv_heads=2)
+    got = dot_product_attention(q, k, v, causal=True, impl="xla")
+    full_k, full_v = jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2)  # HF's repeat_kv
+    want = dot_product_attention(q, full_k, full_v, causal=True, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_cache_style_call_respects_positions_and_lengths(impl):
+    # 2 queries at positions (3, 4) and (1, 2) over an 8-slot cache holding 5 and 3 tokens
+    q, _, _ = _qkv(seed=5, length=2)
+    _, k, v = _qkv(seed=6, length=8)
+    q_positions = jnp.array([[3, 4], [1, 2]])
+    lengths = jnp.array([5, 3])
+    got = dot_product_attention(q, k, v, causal=True, window=3, q_positions=q_positions,
+                                kv_positions=jnp.arange(8), kv_lengths=lengths, impl=impl)
+    qp, ln = np.asarray(q_positions), np.asarray(lengths)
+    want = _naive(q, k, v, lambda b, i, j: qp[b, i] - 3 < j <= qp[b, i] and j < ln[b])
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_queries_default_to_the_last_keys_when_shorter():
+    q, k, v = _qkv(seed=7, length=10)
+    full = dot_product_attention(q, k, v, causal=True, impl="reference")
+    tail = dot_product_attention(q[:, 6:], k, v, causal=True, impl="reference")
+    np.testing.assert_allclose(np.asarray(tail), np.asarray(full)[:, 6:], atol=1e-6)
+
+
+def _gpu(capability):
+    return SimpleNamespace(platform="gpu", compute_capability=capability)
+
+
+def test_auto_picks_reference_for_float64_or_high_precision():
+    cpu = SimpleNamespace(platform="cpu")
+    assert resolve_attention_impl("auto", dtype=jnp.float64, device=cpu) == "reference"
+    assert resolve_attention_impl("auto", dtype=jnp.float32, precision="highest", device=cpu) == "reference"
+    assert resolve_attention_impl("auto", dtype=jnp.bfloat16, precision=jax.lax.Precision.HIGHEST,
+                                  device=_gpu("9.0")) == "reference"
+    with jax.default_matmul_precision("highest"):
+        assert resolve_attention_impl("auto", dtype=jnp.float32, device=cpu) == "reference"
+    assert resolve_attention_impl("auto", dtype=jnp.float32, precision="default", device=cpu) == "xla"
+
+
+def test_auto_picks_cudnn_only_on_a_supported_gpu_and_shape():
+    assert resolve_attention_impl("auto", dtype=jnp.bfloat16, head_dim=64, device=_gpu("9.0")) == "cudnn"
+    assert resolve_attention_impl("auto", dtype=jnp.float16, head_dim=128, device=_gpu("8.0")) == "cudnn"
+    assert resolve_attention_impl("auto", dtype=jnp.float32, head_dim=64, device=_gpu("9.0")) == "xla"
+    assert resolve_attention_impl("auto", dtype=jnp.bfloat16, head_dim=60, device=_gpu("9.0")) == "xla"
+    assert resolve_attention_impl("auto", dtype=jnp.bfloat16, head_dim=256, device=_gpu("9.0")) == "xla"
+    assert resolve_attention_impl("auto", dtype=jnp.bfloat16, head_dim=64, cudnn_mask_ok=False,
+                                  device=_gpu("9.0")) == "xla"
+    assert resolve_attention_impl("auto", dtype=jnp.bfloat16, head_dim=64, device=_gpu("7.5")) == "reference"
+    assert resolve_attention_impl("auto", dtype=jnp.bfloat16, head_dim=64,
+                                  device=SimpleNamespace(platform="cpu")) == "xla"
+    assert resolve_attention_impl("auto", dtype=jnp.float32) == "xla"  # this CPU test machine
+
+
+def test_an_explicit_kernel_is_kept():
+    for impl in ("reference", "xla", "cudnn"):
+        assert resolve_attention_impl(impl, dtype=jnp.float64) == impl
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k, v = _qkv(heads=3, kv_heads=2)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        dot_product_attention(q, k, v)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="'auto', 'reference', 'xla', 'cudnn'"):
+        dot_product_attention(q, k, v, impl="flash")
+    with pytest.raises(ValueError, match="window"):
+        dot_product_attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="not both"):
+        dot_product_attention(q, k, v, segment_ids=SEGMENTS, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS)
