@@ -28,6 +28,7 @@ _EXPORTS = {
     "Evaluation": "dew.eval.evaluation",
     "LocalTracker": "dew.tracking.local",
     "Trackers": "dew.tracking.base",
+    "pipeline": "dew.inference.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -49,6 +50,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only
     from dew.data.dataset import Dataset, Loading
     from dew.eval.evaluation import Evaluation
+    from dew.inference.pipeline import pipeline
     from dew.objectives.base import Aux, Field, InputSpec, Objective, Step
     from dew.tracking.base import Trackers
     from dew.tracking.local import LocalTracker

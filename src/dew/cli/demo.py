@@ -1,7 +1,9 @@
 """`dew demo`: the main job on an embedded default, needing no data or downloads.
 
-It fits a small MLP to a curve the package generates, with checkpoints and a local tracker, then
-prints what the model learned beside the truth.
+The language-model part trains a small decoder on a corpus every Python install carries (the text
+of `pydoc_data.topics`, about 460 KB of English from Python's reference manual), saves the run,
+reloads it with `dew.pipeline` and prints a greedy continuation. The curve part fits an MLP to a
+function the package generates and prints what it learned beside the truth.
 """
 
 from __future__ import annotations
@@ -9,9 +11,82 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+PARTS = ("lm", "curve")
+
+
+def corpus_text() -> str:
+    """The demo corpus: Python's own help topics, as plain text."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name].strip() for name in sorted(topics))
+
+
+def train_decoder(out: Path, steps: int = 1500, seed: int = 0, log_every: int | None = None):
+    """Train a byte-level decoder on `corpus_text()`; the run (run.json + checkpoint) goes in out/run."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew import Checkpoints, LocalTracker, Trainer
+    from dew.config import ModelConfig, ObjectiveConfig, OptimConfig, RunConfig, TrainerConfig
+    from dew.data import Loading, TokenWindows, tokenize
+    from dew.nn.backbones import CausalTransformer
+    from dew.objectives.lm import LMObjective, Perplexity
+    from dew.sampling import Sampling
+
+    seq_len, batch = 64, 16
+    corpus_file = out / "corpus.txt"
+    corpus_file.write_text(corpus_text(), encoding="utf-8")
+    tokenize(corpus_file, out / "tokens", "byte", val_fraction=0.02)
+    data = TokenWindows(path=str(out / "tokens"), seq_len=seq_len, seed=seed, loading=Loading(workers=0))
+    model = CausalTransformer(
+        vocab_size=256, emb_features=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        mlp_features=384, max_seq_len=seq_len * 4, dtype=jnp.float32,
+    )
+    objective = LMObjective(model, seq_len=seq_len)
+    optim = OptimConfig(optimizer="adamw", learning_rate=2e-3, weight_decay=0.1, b2=0.99,
+                        warmup_steps=100, decay_steps=steps, clip_norm=1.0)
+    run = out / "run"
+    config = RunConfig(
+        model=ModelConfig.from_model(model),
+        data=data,
+        optim=optim,
+        trainer=TrainerConfig(name="demo-lm", checkpoint_dir=str(run), steps=steps, batch_size=batch,
+                              checkpoint_every=steps, keep=1, seed=seed),
+        objective=ObjectiveConfig.from_objective(objective),
+        sampling=Sampling(temperature=0.0),
+    )
+    config.save(run, tokenizer="byte")
+    checkpoints = Checkpoints(run, keep=1)
+    every = log_every or max(steps // 6, 1)
+    with LocalTracker(run / "tracking", plots=True) as tracker:
+        trainer = Trainer(objective, optim.build(), key=jax.random.key(seed), checkpoints=checkpoints,
+                          tracker=tracker)
+        state = trainer.fit(data.load(batch=batch), steps=steps, log_every=every, eval_every=steps,
+                            checkpoint_every=steps, metrics=(Perplexity(),))
+    checkpoints.wait()
+    return run, trainer, state
+
+
+def lm_part(out: Path, steps: int) -> None:
+    import jax
+
+    import dew
+
+    print(f"== language model: a byte-level decoder on Python's help topics ({steps} steps)")
+    run, trainer, _ = train_decoder(out, steps=steps)
+    scores = trainer.evaluations[-1].scores
+    task = dew.pipeline(run)  # rebuilt from run.json and the checkpoint alone
+    prompt = "The return statement"
+    drawn = task([prompt], 100, key=jax.random.key(0))
+    print(f"\nvalidation loss {scores['val/loss']:.3f} nats/byte, perplexity {scores['val/perplexity']:.2f}")
+    print(f"run saved in {run}/ (run.json, checkpoint, tracking/plots)")
+    print(f"\ngreedy continuation of {prompt!r}:\n")
+    print(prompt + task.decode(drawn)[0])
+    print()
+
 
 def curve(x):
-    """The function the demo learns."""
+    """The function the curve part learns."""
     import numpy as np
 
     return np.sin(3 * x) + 0.5 * x
@@ -72,22 +147,12 @@ def fit_curve(out: Path, steps: int = 600, seed: int = 0):
     return objective, state
 
 
-def run(out: str = "runs/demo", steps: int = 600, fresh: bool = True) -> None:
-    """Train the demo model and print what it learned.
-
-    Args:
-        out: directory for the run's checkpoints, scalar journal and plots.
-        steps: training steps.
-        fresh: start over, deleting an earlier demo run in `out`.
-    """
+def curve_part(out: Path, steps: int) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    out_path = Path(out)
-    if fresh and out_path.exists():
-        shutil.rmtree(out_path)
-    print(f"Fitting an MLP to y = sin(3x) + x/2 on [-1, 1] ({steps} steps); run files in {out_path}/")
-    objective, state = fit_curve(out_path, steps=steps)
+    print(f"== curve: an MLP fits y = sin(3x) + x/2 on [-1, 1] ({steps} steps)")
+    objective, state = fit_curve(out, steps=steps)
     probe = np.linspace(-1, 1, 9, dtype=np.float32).reshape(-1, 1)
     predicted = np.asarray(objective.model.apply(state.averaged, jnp.asarray(probe)))
     print("\n     x    truth  learned")
@@ -95,4 +160,27 @@ def run(out: str = "runs/demo", steps: int = 600, fresh: bool = True) -> None:
         print(f"{xi:+6.2f}  {yi:+7.3f}  {pi:+7.3f}")
     worst = float(np.max(np.abs(predicted - curve(probe))))
     print(f"\nlargest error on these points: {worst:.3f}")
-    print(f"plots: {out_path / 'tracking' / 'plots'}   checkpoint: {out_path / 'checkpoints'}")
+    print(f"plots: {out / 'tracking' / 'plots'}   checkpoint: {out / 'checkpoints'}\n")
+
+
+def run(
+    out: str = "runs/demo",
+    parts: tuple[str, ...] = ("lm",),
+    lm_steps: int = 1500,
+    curve_steps: int = 600,
+    fresh: bool = True,
+) -> None:
+    """Run the demo parts, each in its own folder under `out`."""
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"Unknown demo part(s) {unknown}; choose from {PARTS}.")
+    out_path = Path(out)
+    for part in parts:
+        folder = out_path / part
+        if fresh and folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if part == "lm":
+            lm_part(folder, lm_steps)
+        else:
+            curve_part(folder, curve_steps)

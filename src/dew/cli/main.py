@@ -5,11 +5,18 @@ from __future__ import annotations
 import sys
 
 
-def _demo(out: str = "runs/demo", steps: int = 600, fresh: bool = True) -> None:
-    """Run the main job on an embedded default: train, checkpoint, and show what was learned."""
+def _demo(
+    out: str = "runs/demo",
+    parts: tuple[str, ...] = ("lm",),
+    lm_steps: int = 1500,
+    curve_steps: int = 600,
+    fresh: bool = True,
+) -> None:
+    """Run the main job on an embedded default: train a small decoder on Python's help text, save
+    the run, and print a greedy continuation (parts: lm, curve)."""
     from dew.cli import demo
 
-    demo.run(out=out, steps=steps, fresh=fresh)
+    demo.run(out=out, parts=parts, lm_steps=lm_steps, curve_steps=curve_steps, fresh=fresh)
 
 
 def _tokenize(

@@ -34,7 +34,10 @@ class Metric(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class MeanOutputs:
-    """The mean over the pass of every scalar output, weighted by the batch's rows."""
+    """The mean over the pass of every scalar output, weighted by the batch's rows.
+
+    Outputs whose names start with "_" are inputs to other metrics (sums, counts) and are skipped.
+    """
 
     name: str = "mean"
 

@@ -56,13 +56,13 @@ class Perplexity:
         return 0.0, 0.0
 
     def update(self, accumulator, outputs):
-        if "loss_sum" not in outputs or "tokens" not in outputs:
+        if "_loss_sum" not in outputs or "_tokens" not in outputs:
             raise ValueError(
-                "Perplexity reads 'loss_sum' and 'tokens' from the objective's evaluate(); "
+                "Perplexity reads '_loss_sum' and '_tokens' from the objective's evaluate(); "
                 f"this objective returned {sorted(outputs)}."
             )
         total, tokens = accumulator
-        return total + float(outputs["loss_sum"]), tokens + float(outputs["tokens"])
+        return total + float(outputs["_loss_sum"]), tokens + float(outputs["_tokens"])
 
     def result(self, accumulator):
         total, tokens = accumulator
@@ -111,6 +111,10 @@ class LMObjective(Objective):
         self.samples = samples
         self.tokenizer = tokenizer
         self.inputs = InputSpec(Field("text", (seq_len + 1,)))
+
+    def settings(self) -> dict[str, Any]:
+        """What a run record keeps to rebuild this objective around its model."""
+        return {"seq_len": self.seq_len, "loss_role": self.loss_role, "ema_decay": self.ema_decay}
 
     def init(self, key, variables=None):
         if variables is not None:
@@ -163,7 +167,8 @@ class LMObjective(Objective):
         losses, mask = self.token_losses(variables, batch)
         tokens = jnp.sum(mask)
         loss_sum = jnp.sum(losses * mask)
-        return {"loss": loss_sum / jnp.maximum(tokens, 1.0), "loss_sum": loss_sum, "tokens": tokens}
+        # Names starting with "_" feed pass-level metrics and are not averaged on their own.
+        return {"loss": loss_sum / jnp.maximum(tokens, 1.0), "_loss_sum": loss_sum, "_tokens": tokens}
 
     def preview(self, variables, key, step):
         if self.samples is None:

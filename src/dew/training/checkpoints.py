@@ -84,6 +84,20 @@ class Checkpoints:
         state = _from_storable(restored["state"], abstract)
         return state, _decode_position(restored["data"]["position"])
 
+    def restore_variables(self, step: int | None = None) -> tuple[dict[str, Any], Any, int]:
+        """Only the weights of a step (latest by default): `(variables, ema or None, step)`.
+
+        Needs no optimizer or model: the arrays are read as they were saved.
+        """
+        import orbax.checkpoint as ocp
+
+        step = self.latest() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"No complete checkpoint in {self.directory}.")
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(None)))
+        tree = restored["state"]
+        return tree["variables"], tree.get("ema"), step
+
     def wait(self) -> None:
         """Block until every started write is on disk."""
         if self._manager is not None:

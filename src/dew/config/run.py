@@ -1,0 +1,207 @@
+"""Run records: what rebuilds a run without the script that made it.
+
+A saved run is a directory holding `run.json` beside its checkpoint steps. `run.json` names the
+model class by import path with its constructor settings, the objective with its settings, the
+tokenizer (its files are copied into the run), the sampling defaults, and the data and optimizer
+settings. `RunConfig.save` writes it; `dew.pipeline(run)` and `dew export` read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dew.config.records import from_record, import_path, resolve, to_record
+
+RUN_FILE = "run.json"
+FORMAT = "dew.run"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A model class by import path and the settings its constructor takes."""
+
+    target: str
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_model(cls, model: Any) -> ModelConfig:
+        record = to_record(model)
+        if not isinstance(record, dict) or "__type__" not in record:
+            raise TypeError(f"ModelConfig.from_model needs a Flax module (a dataclass); got {model!r}.")
+        return cls(target=record["__type__"], settings=record["fields"])
+
+    def build(self) -> Any:
+        return resolve(self.target)(**from_record(self.settings))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """An objective class by import path and its settings beside the model (seq_len, ema_decay...)."""
+
+    target: str
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_objective(cls, objective: Any) -> ObjectiveConfig:
+        settings = objective.settings() if callable(getattr(objective, "settings", None)) else {}
+        return cls(target=import_path(objective), settings=to_record(settings))
+
+    def build(self, model: Any) -> Any:
+        return resolve(self.target)(model, **from_record(self.settings))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """An Optax optimizer by name, with a linear warm-up and an optional cosine decay."""
+
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    momentum: float | None = None
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    clip_norm: float | None = None
+
+    OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
+
+    def __post_init__(self):
+        if self.optimizer not in self.OPTIMIZERS:
+            raise ValueError(
+                f"OptimConfig.optimizer must be one of {self.OPTIMIZERS}; got {self.optimizer!r}."
+            )
+
+    def schedule(self):
+        import optax
+
+        if self.decay_steps is not None:
+            return optax.warmup_cosine_decay_schedule(
+                0.0, self.learning_rate, self.warmup_steps, max(self.decay_steps, self.warmup_steps + 1)
+            )
+        if self.warmup_steps:
+            return optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
+        return self.learning_rate
+
+    def build(self):
+        import optax
+
+        rate = self.schedule()
+        if self.optimizer == "adam":
+            optimizer = optax.adam(rate, b1=self.b1, b2=self.b2)
+        elif self.optimizer == "adamw":
+            optimizer = optax.adamw(rate, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay)
+        elif self.optimizer == "lion":
+            optimizer = optax.lion(rate, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay)
+        else:
+            optimizer = optax.sgd(rate, momentum=self.momentum)
+        if self.clip_norm is not None:
+            optimizer = optax.chain(optax.clip_by_global_norm(self.clip_norm), optimizer)
+        return optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Run settings: where checkpoints go, how long, how often."""
+
+    name: str | None = None
+    checkpoint_dir: str = "runs/run"
+    steps: int = 1000
+    batch_size: int = 32
+    log_every: int = 100
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+    keep: int | None = 2
+    seed: int = 0
+    accumulation: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything `run.json` records about a run."""
+
+    model: ModelConfig
+    data: Any = None
+    optim: OptimConfig = OptimConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    objective: ObjectiveConfig | None = None
+    tokenizer: str | None = None
+    sampling: Any = None
+
+    def save(self, directory: str | os.PathLike, *, tokenizer: Any = None) -> Path:
+        """Write `run.json` into `directory` (atomically), copying a tokenizer's files beside it."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = self
+        if tokenizer is not None:
+            config = dataclasses.replace(config, tokenizer=_store_tokenizer(tokenizer, directory))
+        record = {"format": FORMAT, "version": 1}
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            if field.name in _PLAIN and value is not None:  # Dew's own records: fields without a type tag
+                record[field.name] = {f.name: to_record(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            else:
+                record[field.name] = to_record(value)
+        path = directory / RUN_FILE
+        partial = directory / (RUN_FILE + ".partial")
+        partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> RunConfig:
+        path = Path(directory) / RUN_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{directory} holds no {RUN_FILE}; a saved run is a directory written by "
+                "RunConfig.save (or dew demo) beside its checkpoints."
+            )
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a Dew run record (format {record.get('format')!r}).")
+        values = {}
+        for field in dataclasses.fields(cls):
+            raw = record.get(field.name)
+            if field.name in _PLAIN and raw is not None:
+                kind = _PLAIN[field.name]
+                # settings stay records: the model and objective rebuild them when built
+                keep = ("settings",)
+                values[field.name] = kind(**{k: (v if k in keep else from_record(v)) for k, v in raw.items()})
+            else:
+                values[field.name] = from_record(raw)
+        if values["model"] is None:
+            raise ValueError(f"{path} records no model.")
+        return cls(**{k: v for k, v in values.items() if v is not None or k not in ("optim", "trainer")})
+
+    def tokenizer_in(self, directory: str | os.PathLike):
+        """The run's tokenizer, rebuilt from the files stored in the run directory (or None)."""
+        if self.tokenizer is None:
+            return None
+        from dew.data.tokenizers import load_tokenizer
+
+        if self.tokenizer == "byte":
+            return load_tokenizer("byte")
+        return load_tokenizer(Path(directory) / self.tokenizer)
+
+
+_PLAIN = {"model": ModelConfig, "optim": OptimConfig, "trainer": TrainerConfig, "objective": ObjectiveConfig}
+
+
+def _store_tokenizer(tokenizer: Any, directory: Path) -> str:
+    from dew.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer)
+    if tokenizer.describe() == "byte":
+        return "byte"
+    target = directory / "tokenizer"
+    partial = directory / "tokenizer.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer.save(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)
+    return "tokenizer"
