@@ -1,0 +1,6 @@
+"""Hugging Face checkpoints in and out of Dew: `Pretrained.load` / `PretrainedDecoder` and save."""
+
+from dew.interop.decoder import Pretrained, PretrainedDecoder
+from dew.interop.families import DECODER_FAMILIES, supported_model_types
+
+__all__ = ["Pretrained", "PretrainedDecoder", "DECODER_FAMILIES", "supported_model_types"]

@@ -1,0 +1,530 @@
+"""Pretrained / PretrainedDecoder: Hugging Face decoder checkpoints in and out of Dew.
+
+``PretrainedDecoder.load(directory)`` reads config.json, translates it into `CausalTransformer`
+arguments through the family of its ``model_type``, and renames (and transposes) every tensor of
+model.safetensors into Dew's params by the family's weight table. Every checkpoint tensor must
+land on a param of the expected shape, and every param must be filled, so a checkpoint that does
+not match its config fails with the tensor's name instead of loading half-right.
+
+``save(directory)`` runs the same table backwards: config.json, model.safetensors (torch names,
+``[out, in]`` linear weights, no lm_head.weight when the head is tied), generation_config.json and
+the tokenizer files. Everything is written into a hidden sibling directory that is renamed into
+place at the end, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+
+from dew.data.tokenizers import HFTokenizer
+from dew.interop import families
+from dew.interop.families.llama import Weight
+from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
+from dew.nn.backbones.causal_transformer import CausalTransformer
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+# --- reading a checkpoint directory ---------------------------------------------------------------
+
+
+def _checkpoint_dir(directory: str | Path) -> Path:
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{str(directory)!r} is not a local checkpoint directory. Dew downloads nothing: fetch "
+            f"the files first (for example `hf download {directory} --local-dir DIR`) and pass DIR"
+        )
+    return path
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """The config.json of a checkpoint directory, with a clear error when it is missing."""
+    path = _checkpoint_dir(directory) / CONFIG_FILE
+    if not path.is_file():
+        present = sorted(p.name for p in path.parent.iterdir())[:12]
+        raise FileNotFoundError(
+            f"no {CONFIG_FILE} in {path.parent}; a Hugging Face checkpoint directory holds config.json "
+            f"beside its weights. The directory holds {present}"
+        )
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# --- params <-> checkpoint tensors ----------------------------------------------------------------
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, path + "/"))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def _expected_params(model: CausalTransformer) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every param path of ``model`` with its shape and dtype, computed without allocating."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    return _flat(meta.unbox(abstract)["params"])
+
+
+def _layered(model: CausalTransformer) -> CausalTransformer:
+    """The same model with one ``layers_{i}`` subtree per layer (the layout the tables name)."""
+    return model.clone(scan_layers=False, remat=None) if model.scan_layers else model
+
+
+def _stack_layers(flat: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """``layers_{i}/...`` entries -> ``layers/...`` with the layer index as the leading axis."""
+    out = {path: value for path, value in flat.items() if not path.startswith("layers_")}
+    for rest in [p.split("/", 1)[1] for p in flat if p.startswith("layers_0/")]:
+        out[f"layers/{rest}"] = jnp.stack([flat[f"layers_{i}/{rest}"] for i in range(num_layers)])
+    return out
+
+
+def _unstack_layers(flat: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    out = {path: value for path, value in flat.items() if not path.startswith("layers/")}
+    for path, value in flat.items():
+        if path.startswith("layers/"):
+            rest = path.split("/", 1)[1]
+            for i in range(num_layers):
+                out[f"layers_{i}/{rest}"] = value[i]
+    return out
+
+
+def _weight_names(family: ModuleType, model: CausalTransformer,
+                  expected: Mapping[str, Any]) -> list[Weight]:
+    """The family's table expanded over the layers, keeping the tensors this model has."""
+    names = []
+    for weight in family.WEIGHTS:
+        indices = range(model.num_layers) if "{i}" in weight.dew else [None]
+        for i in indices:
+            dew = weight.dew.format(i=i) if i is not None else weight.dew
+            if dew in expected:
+                hf = weight.hf.format(i=i) if i is not None else weight.hf
+                names.append(Weight(hf, dew, weight.transpose))
+    covered = {w.dew for w in names}
+    uncovered = sorted(set(expected) - covered)
+    if uncovered:  # a table that misses a param is a bug in the family, not in the checkpoint
+        raise NotImplementedError(
+            f"the {family.MODEL_TYPE} weight table has no checkpoint name for params {uncovered[:5]}"
+        )
+    return names
+
+
+def _hf_shape(weight: Weight, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(reversed(shape)) if weight.transpose else tuple(shape)
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
+
+
+def _describe(config: Mapping[str, Any]) -> str:
+    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+            "attention_bias", "mlp_bias")
+    return ", ".join(f"{k}={config[k]}" for k in keys if k in config)
+
+
+def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
+                 config: Mapping[str, Any], param_dtype: Any) -> dict[str, Any]:
+    checkpoint = open_checkpoint(directory)
+    layered = _layered(model)
+    expected = _expected_params(layered)
+    names = _weight_names(family, layered, expected)
+    wanted = {w.hf for w in names}
+
+    def ignorable(name: str) -> bool:
+        if name.endswith(family.IGNORED_SUFFIXES):
+            return True
+        # a tied head: transformers ignores a stored lm_head.weight and uses the embedding
+        return name == "lm_head.weight" and model.tie_embeddings
+
+    missing = [w.hf for w in names if w.hf not in checkpoint]
+    unexpected = [name for name in checkpoint if name not in wanted and not ignorable(name)]
+    if missing or unexpected:
+        parts = [f"{label} tensors {_some(found)}"
+                 for label, found in (("missing", missing), ("unexpected", unexpected)) if found]
+        raise ValueError(
+            f"the weights in {directory} do not match its config.json: {'; '.join(parts)}. "
+            f"The config describes {_describe(config)}; check the weights belong to this config"
+        )
+
+    dtype = jnp.dtype(param_dtype)
+    flat = {}
+    for weight in names:
+        want = _hf_shape(weight, expected[weight.dew].shape)
+        got = checkpoint.shape(weight.hf)
+        if got != want:
+            raise ValueError(
+                f"checkpoint tensor {weight.hf!r} in {directory} has shape {list(got)}, but config.json "
+                f"({_describe(config)}) implies {list(want)}; the weights and the config disagree"
+            )
+        array = checkpoint[weight.hf]
+        if weight.transpose:
+            array = array.T
+        flat[weight.dew] = jnp.asarray(np.asarray(array, dtype=dtype))
+    if model.scan_layers:
+        flat = _stack_layers(flat, model.num_layers)
+    return _nested(flat)
+
+
+def _check_params(model: CausalTransformer, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat params after checking them against the model's own tree (names and shapes)."""
+    expected = _expected_params(model)
+    flat = _flat(params)
+    missing = sorted(set(expected) - set(flat))
+    unexpected = sorted(set(flat) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"the variables do not fit the model: missing params {missing[:8]}, unexpected params "
+            f"{unexpected[:8]}. Pass the variables trained with this model (state.variables)"
+        )
+    for path, spec in expected.items():
+        if tuple(np.shape(flat[path])) != tuple(spec.shape):
+            raise ValueError(
+                f"param {path!r} has shape {list(np.shape(flat[path]))}, but the model expects "
+                f"{list(spec.shape)}; the variables were made for another configuration"
+            )
+    return flat
+
+
+# --- tokens and generation defaults ---------------------------------------------------------------
+
+
+def _check_tokenizer(tokenizer: Any, vocab_size: int, where: str) -> None:
+    size = getattr(tokenizer, "vocab_size", None)
+    if size is not None and size > vocab_size:
+        raise ValueError(
+            f"the tokenizer {where} has {size} tokens but the model's vocab_size is {vocab_size}, so "
+            "some token ids would have no embedding; use the model's own tokenizer or build the "
+            f"model with vocab_size >= {size}"
+        )
+
+
+def _token_ids(tokenizer: Any) -> dict[str, int]:
+    ids = {}
+    for field, key in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "pad_token_id")):
+        value = getattr(tokenizer, field, None) if tokenizer is not None else None
+        if value is not None:
+            ids[key] = int(value)
+    return ids
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+# --- the bundles ----------------------------------------------------------------------------------
+
+
+class Pretrained:
+    """A model and its weights in a Hugging Face checkpoint's terms.
+
+    ``Pretrained.load(directory)`` reads any checkpoint Dew supports, dispatching on config.json's
+    ``model_type`` (today: decoders, see `PretrainedDecoder`); ``bundle.save(directory)`` writes it
+    back in the same layout.
+    """
+
+    @classmethod
+    def load(cls, directory: str | Path, **options: Any) -> "Pretrained":
+        """The bundle for the checkpoint in ``directory``; ``options`` go to the family's loader."""
+        config = read_config(directory)
+        families.decoder_family(config, str(Path(directory) / CONFIG_FILE))  # raises when unsupported
+        return PretrainedDecoder.load(directory, **options)
+
+    def save(self, directory: str | Path, variables: Mapping[str, Any] | None = None, *,
+             overwrite: bool = False) -> Path:
+        raise NotImplementedError(f"{type(self).__name__} does not implement save")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PretrainedDecoder(Pretrained):
+    """A `CausalTransformer`, its variables, and the files of the checkpoint it came from.
+
+    Attributes:
+      model: the CausalTransformer.
+      variables: ``{"params": ...}`` (plain arrays).
+      tokenizer: an HFTokenizer when the directory holds tokenizer.json, else None.
+      config: the Hugging Face config.json as a dict.
+      generation_config: generation_config.json as a dict, or None.
+    """
+
+    model: CausalTransformer
+    variables: Mapping[str, Any]
+    tokenizer: Any = None
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    generation_config: Mapping[str, Any] | None = None
+
+    # --- in -------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        max_seq_len: int | None = None,
+        scan_layers: bool = False,
+        remat: str | None = None,
+        attention_impl: str = "auto",
+    ) -> "PretrainedDecoder":
+        """Read a decoder checkpoint directory (config.json + model.safetensors or a sharded index).
+
+        ``dtype`` is the compute dtype, ``param_dtype`` the dtype the weights are stored in (the
+        checkpoint's tensors are cast to it). ``max_seq_len`` overrides the checkpoint's
+        max_position_embeddings (RoPE scaling still reads the checkpoint's context).
+        """
+        path = _checkpoint_dir(directory)
+        config = read_config(path)
+        family = families.decoder_family(config, str(path / CONFIG_FILE))
+        if config.get("auto_map"):
+            warnings.warn(
+                f"{path / CONFIG_FILE} names remote code in auto_map; Dew ignores it and loads the "
+                f"weights into its own {family.MODEL_TYPE} implementation",
+                stacklevel=2,
+            )
+        kwargs = family.model_kwargs(config)
+        if max_seq_len is not None:
+            kwargs["max_seq_len"] = int(max_seq_len)
+        model = CausalTransformer(**kwargs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
+                                  remat=remat, attention_impl=attention_impl)
+        params = _read_params(path, family, model, config, param_dtype)
+
+        tokenizer = None
+        if (path / TOKENIZER_FILE).is_file():
+            tokenizer = HFTokenizer(path)
+            _check_tokenizer(tokenizer, model.vocab_size, f"in {path}")
+        return cls(model=model, variables={"params": params}, tokenizer=tokenizer, config=config,
+                   generation_config=_read_json(path / GENERATION_CONFIG_FILE))
+
+    @classmethod
+    def from_model(
+        cls,
+        model: CausalTransformer,
+        variables: Mapping[str, Any],
+        tokenizer: Any = None,
+        generation_config: Mapping[str, Any] | None = None,
+    ) -> "PretrainedDecoder":
+        """Wrap a model trained in Dew for export; fails now if no supported family can express it.
+
+        A model with q/k norm exports as qwen3, one without as llama.
+        """
+        if not isinstance(model, CausalTransformer):
+            raise TypeError(f"from_model exports a CausalTransformer; got {type(model).__name__}")
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+            raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
+        if tokenizer is not None:
+            _check_tokenizer(tokenizer, model.vocab_size, repr(tokenizer))
+        config = families.export_family(model).hf_config(model)
+        return cls(model=model, variables=variables, tokenizer=tokenizer, config=config,
+                   generation_config=None if generation_config is None else dict(generation_config))
+
+    @classmethod
+    def from_run(cls, run: str | Path, *, step: int | None = None, averaged: bool = True) -> "PretrainedDecoder":
+        """Wrap a saved Dew run (run.json beside its checkpoints) for export.
+
+        The model is rebuilt from the record, the weights are those of `step` (the latest by
+        default; the EMA copy when `averaged` and the run kept one), and the run's tokenizer and
+        sampling defaults come along.
+        """
+        from dew.inference.pipeline import pipeline  # a run is read by the layer above
+
+        task = pipeline(run, step=step, averaged=averaged)
+        if not isinstance(getattr(task, "model", None), CausalTransformer):
+            raise ValueError(f"{run} is not a decoder run (its task is {type(task).__name__}).")
+        sampling = getattr(task, "sampling", None)
+        generation_config = None
+        if sampling is not None:
+            generation_config = {"do_sample": sampling.temperature > 0}
+            if sampling.temperature > 0:
+                generation_config["temperature"] = sampling.temperature
+            for name in ("top_k", "top_p", "min_p"):
+                if getattr(sampling, name) is not None:
+                    generation_config[name] = getattr(sampling, name)
+        return cls.from_model(task.model, task.variables, tokenizer=task.tokenizer,
+                              generation_config=generation_config)
+
+    # --- use ------------------------------------------------------------------------------------
+
+    def default_sampling(self) -> Any:
+        """The checkpoint's generation defaults as a Sampling: greedy unless it says do_sample."""
+        from dew.sampling.text import Sampling  # interop sits below sampling; import on use
+
+        generation = dict(self.generation_config or {})
+        eos = _as_ids(generation.get("eos_token_id", self.config.get("eos_token_id")))
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_id is not None:
+            eos = (int(self.tokenizer.eos_id),)
+        pad = generation.get("pad_token_id", self.config.get("pad_token_id"))
+        if pad is None:
+            pad = getattr(self.tokenizer, "pad_id", None)
+        options: dict[str, Any] = dict(eos_token_ids=eos, pad_id=int(pad if pad is not None else (eos or (0,))[0]))
+        if generation.get("do_sample", False):
+            options.update(
+                temperature=float(generation.get("temperature", 1.0)),
+                top_k=generation.get("top_k", 50) or None,  # transformers' default top_k is 50
+                top_p=generation.get("top_p"),
+                min_p=generation.get("min_p"),
+            )
+        else:
+            options["temperature"] = 0.0
+        return Sampling(**options)
+
+    def text_generation(self, sampling: Any = None) -> Any:
+        """A TextGeneration task over these weights, with the tokenizer and the checkpoint's defaults."""
+        from dew.inference.text import TextGeneration  # interop sits below inference; import on use
+
+        return TextGeneration(self.model, self.variables,
+                              sampling=self.default_sampling() if sampling is None else sampling,
+                              tokenizer=self.tokenizer)
+
+    # --- out ------------------------------------------------------------------------------------
+
+    def export_config(self) -> dict[str, Any]:
+        """The config.json `save` writes: the family's fields over the source config's others."""
+        source = dict(self.config or {})
+        family = families.export_family(self.model, preferred=source.get("model_type"))
+        derived = family.hf_config(self.model)
+        if source.get("model_type") != family.MODEL_TYPE:
+            source = {}  # a config of another family describes nothing of this one
+        for key in ("rope_parameters", "rope_scaling", "rope_theta", "layer_types", "sliding_window",
+                    "use_sliding_window", "max_window_layers", "auto_map"):
+            source.pop(key, None)
+        if source.get("max_position_embeddings"):
+            # the checkpoint's context, even when it was loaded with another max_seq_len
+            derived["max_position_embeddings"] = source["max_position_embeddings"]
+        config = {**source, **derived}
+        for key, value in _token_ids(self.tokenizer).items():
+            config.setdefault(key, value)
+        return config
+
+    def save(
+        self,
+        directory: str | Path,
+        variables: Mapping[str, Any] | None = None,
+        *,
+        overwrite: bool = False,
+        dtype: Any = None,
+    ) -> Path:
+        """Write config.json, model.safetensors, generation_config.json and the tokenizer files.
+
+        ``variables`` (default: the bundle's) are the weights to write, such as a trained
+        ``state.variables``. ``dtype`` casts floating tensors (default: as they are). A non-empty
+        ``directory`` is replaced only with ``overwrite=True``. The files are written into a
+        temporary sibling directory renamed into place at the end, so a failure leaves nothing.
+        """
+        dest = Path(directory).expanduser()
+        if dest.exists() and not dest.is_dir():
+            raise FileExistsError(f"{dest} exists and is not a directory; choose another destination")
+        if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+            raise FileExistsError(
+                f"{dest} is not empty; pass overwrite=True to replace it or choose an empty directory"
+            )
+        variables = self.variables if variables is None else variables
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+            raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
+        config = self.export_config()  # raises before anything is written
+        tensors = self._hf_tensors(meta.unbox(variables["params"]), dtype, config)
+        float_dtypes = {str(t.dtype) for t in tensors.values() if np.issubdtype(t.dtype, np.floating)
+                        or t.dtype == jnp.bfloat16}
+        if len(float_dtypes) == 1:
+            config["torch_dtype"] = float_dtypes.pop()
+            config.pop("dtype", None)
+        generation = dict(self.generation_config or {})
+        generation.update({k: v for k, v in _token_ids(self.tokenizer).items() if k not in generation})
+
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+        try:
+            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            save_file(tensors, staging / SINGLE_FILE, metadata={"format": "pt"})
+            (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+            if self.tokenizer is not None:
+                self.tokenizer.save(staging)
+            _move_into_place(staging, dest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return dest
+
+    def _hf_tensors(self, params: Mapping[str, Any], dtype: Any,
+                    config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Checkpoint name -> host array, by the export family's table."""
+        model = self.model
+        flat = _check_params(model, params)
+        if model.scan_layers:
+            flat = _unstack_layers(flat, model.num_layers)
+        layered = _layered(model)
+        family = families.DECODER_FAMILIES[config["model_type"]]
+        tensors = {}
+        for weight in _weight_names(family, layered, _expected_params(layered)):
+            array = np.asarray(jax.device_get(flat[weight.dew]))
+            if weight.transpose:
+                array = array.T
+            if dtype is not None and (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
+                array = array.astype(jnp.dtype(dtype))
+            tensors[weight.hf] = np.ascontiguousarray(array)
+        return tensors
+
+
+def _move_into_place(staging: Path, dest: Path) -> None:
+    """Rename the finished staging directory to ``dest``, replacing what is there."""
+    if not dest.exists():
+        staging.rename(dest)
+        return
+    if not any(dest.iterdir()):
+        dest.rmdir()
+        staging.rename(dest)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
+    old.rmdir()
+    dest.rename(old)
+    try:
+        staging.rename(dest)
+    except BaseException:
+        old.rename(dest)  # put the previous export back
+        raise
+    shutil.rmtree(old, ignore_errors=True)

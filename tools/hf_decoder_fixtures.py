@@ -1,0 +1,112 @@
+"""Build tiny random Hugging Face decoders and record what transformers computes with them.
+
+Writes one directory per model under tests/fixtures/hf/, read by tests/test_interop.py:
+
+    config.json, model.safetensors, generation_config.json   (save_pretrained, float32)
+    reference.npz   input_ids [2, 12] and their logits [2, 12, vocab];
+                    prompt [2, 5] and its greedy continuation [2, 10] (generate, do_sample=False)
+
+The weights are seeded and drawn wider than HF's N(0, 0.02) initializer (and the RMSNorm scales are
+moved off 1), so the logits depend clearly on every tensor: a transposed or swapped weight, or a
+wrong RoPE setting, changes them far beyond the test tolerance.
+
+Run with the reference environment (torch CPU + transformers), not Dew's:
+
+    python3 -m venv .venv-ref
+    .venv-ref/bin/pip install torch==2.13.0
+    .venv-ref/bin/pip install transformers safetensors numpy
+    .venv-ref/bin/python tools/hf_decoder_fixtures.py
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import numpy as np
+import torch
+import transformers
+
+OUT = pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/hf"
+
+SIZES = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, intermediate_size=128,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+FIXTURES = {
+    # Llama 3.1 style: an untied head and "llama3" RoPE scaling with a small original context,
+    # so the scaling changes most of the head's frequencies.
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        SIZES, tie_word_embeddings=False, max_position_embeddings=64, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        rms_norm_eps=1e-5,
+    )),
+    # Qwen3: q/k RMSNorm and a tied head.
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        SIZES, tie_word_embeddings=True, max_position_embeddings=64, rope_theta=1000000.0,
+    )),
+    # Qwen3 with its second layer on a 4-token sliding window (a narrower model, to stay small).
+    "qwen3-sliding": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        SIZES, hidden_size=32, head_dim=8, intermediate_size=64, tie_word_embeddings=True,
+        max_position_embeddings=64, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+    )),
+}
+
+WEIGHT_STD = 0.15  # wider than HF's 0.02 so the logits are far from uniform
+
+
+def build(config_cls, model_cls, settings, seed):
+    torch.manual_seed(seed)
+    config = config_cls(**settings, attn_implementation="eager")
+    model = model_cls(config).to(torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if tensor.ndim == 1 and name.endswith("norm.weight"):
+                tensor.copy_(1.0 + 0.2 * torch.randn(tensor.shape, generator=generator))
+            else:
+                tensor.copy_(WEIGHT_STD * torch.randn(tensor.shape, generator=generator))
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def record(name, seed):
+    config_cls, model_cls, settings = FIXTURES[name]
+    model = build(config_cls, model_cls, settings, seed)
+    directory = OUT / name
+    shutil.rmtree(directory, ignore_errors=True)
+    model.save_pretrained(directory, safe_serialization=True)
+
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    input_ids = rng.integers(3, vocab, size=(2, 12)).astype(np.int64)  # no bos/eos/pad ids
+    prompt = rng.integers(3, vocab, size=(2, 5)).astype(np.int64)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(input_ids)).logits.float().numpy()
+        generated = model.generate(
+            torch.from_numpy(prompt), attention_mask=torch.ones_like(torch.from_numpy(prompt)),
+            max_new_tokens=10, do_sample=False, num_beams=1,
+        ).numpy()[:, prompt.shape[1]:]
+    np.savez_compressed(
+        directory / "reference.npz",
+        input_ids=input_ids.astype(np.int32), logits=logits.astype(np.float32),
+        prompt=prompt.astype(np.int32), greedy=generated.astype(np.int32),
+    )
+    size = sum(path.stat().st_size for path in directory.iterdir())
+    print(f"{name}: {size / 1024:.0f} KiB, greedy {generated.tolist()}")
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    for seed, name in enumerate(FIXTURES):
+        record(name, seed)
+    total = sum(path.stat().st_size for path in OUT.rglob("*") if path.is_file())
+    print(f"total {total / 1024:.0f} KiB in {OUT}")
+
+
+if __name__ == "__main__":
+    main()
