@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from tyro.conf import Positional
+
 
 def _demo(
     out: str = "runs/demo",
@@ -28,9 +30,20 @@ def _tokenize(
     tokenize.run(input=input, out=out, tokenizer=tokenizer, val_fraction=val_fraction, pack=pack)
 
 
+def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False, overwrite: bool = False) -> None:
+    """Export a saved decoder run to the Hugging Face layout (config.json, model.safetensors,
+    generation_config.json, tokenizer files) that transformers, vLLM and llama.cpp read."""
+    from dew.interop import PretrainedDecoder
+
+    bundle = PretrainedDecoder.from_run(run, step=step, averaged=not live)
+    bundle.save(dest, overwrite=overwrite)
+    print(f"exported {run} as {bundle.config.get('model_type')} to {dest}")
+
+
 COMMANDS = {
     "demo": _demo,
     "tokenize": _tokenize,
+    "export": _export,
 }
 
 

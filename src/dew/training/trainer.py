@@ -102,6 +102,14 @@ class Trainer:
         held = self._held_variables()
         boxed = jax.eval_shape(self._init_variables, self.key, held)
         names = mesh_lib.logical_names(boxed)
+        if held is not None and not any(n is not None for n in jax.tree_util.tree_leaves(names, is_leaf=_is_names)):
+            # Held weights (a loaded checkpoint) are plain arrays: take the logical axis names from
+            # a fresh init of the same objective, when it has the same structure.
+            fresh = mesh_lib.logical_names(jax.eval_shape(self._init_variables, self.key, None))
+            if jax.tree_util.tree_structure(fresh, is_leaf=_is_names) == jax.tree_util.tree_structure(
+                names, is_leaf=_is_names
+            ):
+                names = fresh
         variables = mesh_lib.unbox(boxed)
         variable_shardings = mesh_lib.tree_shardings(variables, names, self.layout, self.mesh)
         params = variables["params"]
@@ -524,6 +532,10 @@ def _as_key(key: Any) -> jax.Array:
     if key.dtype == jnp.uint32 and key.shape == (2,):
         return jax.random.wrap_key_data(key)
     raise TypeError(f"key must be a jax.random.key(...) (or an int seed); got {key.dtype}{key.shape}.")
+
+
+def _is_names(x) -> bool:
+    return x is None or isinstance(x, tuple)
 
 
 def _float32(tree, cast: bool = False):
