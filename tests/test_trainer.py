@@ -269,3 +269,26 @@ def test_a_batch_smaller_than_the_data_axis_is_replicated_with_a_warning():
     placed = small.place({"x": np.zeros((4, 3), np.float32)})
     assert placed["x"].sharding.is_fully_replicated
     assert int(state.step) == 2
+
+
+def test_a_rollout_turns_each_batch_into_training_data_from_the_current_weights():
+    seen = []
+
+    def rollout(variables, batch, key):
+        seen.append(np.asarray(variables["params"]["kernel"]).copy())
+        return {"x": batch["x"], "y": batch["y"] + 1.0}  # e.g. rewards computed on the host
+
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), rollout=rollout)
+    trainer.fit(linear_data(), steps=3, log_every=3)
+    assert len(seen) == 3
+
+    class Shifted(Linear):
+        def loss(self, variables, batch, step):
+            return super().loss(variables, {"x": batch["x"], "y": batch["y"] + 1.0}, step)
+
+    for steps in (1, 2):  # the rollout before step s+1 saw the weights after step s
+        plain = Trainer(Shifted(), optax.sgd(0.1), key=jax.random.key(0)).fit(linear_data(), steps=steps, log_every=9)
+        np.testing.assert_allclose(seen[steps], np.asarray(plain.params["kernel"]), rtol=1e-6)
+    assert not np.allclose(seen[0], seen[1])
+    with pytest.raises(TypeError, match="rollout must be callable"):
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), rollout="sample")

@@ -36,7 +36,8 @@ class Trainer:
     `key` is the run's root key: initialization and every step draw from it, step `s` from
     `fold_in(step_root, s)`, so a resumed run draws what an uninterrupted run draws.
     `accumulation` splits each global batch into that many microbatches whose gradients are
-    averaged before one update.
+    averaged before one update. `rollout(variables, batch, key) -> batch` (online RL) turns each
+    batch of prompts into a training batch sampled from the current weights before the step.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class Trainer:
         accumulation: int = 1,
         checkpoints: Checkpoints | None = None,
         tracker: Any = None,
+        rollout: Any = None,
     ):
         if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
             raise TypeError(
@@ -58,6 +60,11 @@ class Trainer:
             )
         if not isinstance(accumulation, int) or accumulation < 1:
             raise ValueError(f"accumulation must be a positive int; got {accumulation!r}.")
+        if rollout is not None and not callable(rollout):
+            raise TypeError(
+                "rollout must be callable as rollout(variables, batch, key) -> batch "
+                f"(e.g. dew.objectives.rl.SampledRollout); got {type(rollout).__name__}."
+            )
         if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
             raise TypeError(f"checkpoints must be a dew.Checkpoints; got {type(checkpoints).__name__}.")
         self.objective = objective
@@ -69,6 +76,7 @@ class Trainer:
         self.accumulation = accumulation
         self.checkpoints = checkpoints
         self.tracker = tracker
+        self.rollout = rollout
         self.history: list[dict[str, float]] = []
         self.evaluations: list[EvaluationResult] = []
         self._shardings: TrainState | None = None
@@ -423,6 +431,10 @@ class Trainer:
                         f"The training iterator ran out after {step - 1 - start} batches; training "
                         "iterators must repeat (e.g. grain's .repeat()) to reach the target step."
                     ) from None
+                if self.rollout is not None:
+                    # On-policy data: the rollout samples with the current weights (this syncs).
+                    rollout_key = jax.random.fold_in(jax.random.fold_in(self.key, 0x0B5E), step)
+                    batch = self.rollout(state.variables, batch, rollout_key)
                 if step == start + 1:
                     self._check_batch(batch, dataset)
                 saving = checkpoint_every is not None and (step % checkpoint_every == 0 or step == steps)
