@@ -14,6 +14,9 @@ _EXPORTS = {
     "Loading": "dew.data.dataset",
     "Partition": "dew.data.dataset",
     "Role": "dew.data.chat",
+    "ChatMessages": "dew.data.chat_messages",
+    "PreferencePairs": "dew.data.preference",
+    "Prompts": "dew.data.prompts",
     "ByteTokenizer": "dew.data.tokenizers",
     "HFTokenizer": "dew.data.tokenizers",
     "Tokenizer": "dew.data.tokenizers",
@@ -21,6 +24,10 @@ _EXPORTS = {
     "TokenCorpus": "dew.data.tokens",
     "TokenWindows": "dew.data.tokens",
     "tokenize": "dew.data.tokens",
+    "Digits": "dew.data.images",
+    "ImageFolder": "dew.data.images",
+    "TFDSImages": "dew.data.images",
+    "VideoFrames": "dew.data.video",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -132,7 +132,7 @@ class Dataset:
             import grain
 
             rows = partition.rows(batch)
-            source = grain.MapDataset.range(records).shuffle(seed=seed).repeat().batch(batch)
+            source = grain.MapDataset.range(records).shuffle(seed=seed).repeat().batch(batch, drop_remainder=True)
             source = source.map(lambda index: {k: v[index][rows] for k, v in train_columns.items()})
             return iter(loading.apply(source))
 

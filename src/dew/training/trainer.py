@@ -295,7 +295,11 @@ class Trainer:
     # Batches.
 
     def place(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Put this process's rows of a global batch on the mesh, split along the batch axes."""
+        """Put this process's rows of a global batch on the mesh, split along the batch axes.
+
+        Text columns (captions before tokenization) stay on the host and are left out.
+        """
+        batch = {k: v for k, v in batch.items() if np.asarray(v).dtype.kind not in "OUS"}
         if jax.process_count() == 1:
             shardings = {k: self._batch_sharding(np.shape(v)) for k, v in batch.items()}
             return jax.device_put(dict(batch), shardings)
