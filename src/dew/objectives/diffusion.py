@@ -1,0 +1,173 @@
+"""Diffusion and flow-matching training on images and clips.
+
+The objective maps uint8 samples to [-1, 1] (or encodes them to latents with an autoencoder),
+draws a noise level from the process, noises the sample, and regresses the backbone's output on the
+process's target with the process's weighting. Conditions (labels, embeddings) are dropped per row
+with `unconditional_prob`, so the same model also learns the unconditional denoiser that
+classifier-free guidance needs: a dropped label becomes -1 (the backbone's null class) and a dropped
+embedding becomes zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.diffusion.presets import as_process
+from dew.objectives.base import Aux, InputSpec, Objective
+from dew.tracking.records import Artifact
+
+
+class Autoencoder(Protocol):
+    """What latent diffusion needs from a (frozen) autoencoder: its weights live inside it."""
+
+    def encode(self, images: jax.Array) -> jax.Array: ...
+
+    def decode(self, latents: jax.Array) -> jax.Array: ...
+
+    def latent_shape(self, sample_shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+
+class DiffusionObjective(Objective):
+    """Denoising loss for `model` under `process` (a Process or a preset such as `EDM()`).
+
+    `inputs` names the sample field first (uint8 images `(H, W, C)` or clips `(T, H, W, C)`), and
+    its `conditions` name the conditioning fields (`"label"` int ids, or float embeddings).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        process: Any,
+        inputs: InputSpec,
+        *,
+        ema_decay: float | None = 0.999,
+        unconditional_prob: float = 0.1,
+        autoencoder: Autoencoder | None = None,
+        preview_count: int = 16,
+        preview_steps: int = 32,
+    ):
+        if not isinstance(inputs, InputSpec) or not inputs.fields:
+            raise ValueError("DiffusionObjective needs InputSpec(Field(sample, shape), conditions=...).")
+        if not 0.0 <= unconditional_prob <= 1.0:
+            raise ValueError(f"unconditional_prob must be in [0, 1]; got {unconditional_prob}.")
+        self.model = model
+        self.process = as_process(process)
+        self.preset = process
+        self.inputs = inputs
+        self.sample_field = inputs.fields[0]
+        self.ema_decay = ema_decay
+        self.unconditional_prob = unconditional_prob
+        self.autoencoder = autoencoder
+        self.preview_count = preview_count
+        self.preview_steps = preview_steps
+
+    @property
+    def conditional(self) -> bool:
+        return bool(self.inputs.conditions)
+
+    @property
+    def model_shape(self) -> tuple[int, ...]:
+        """The shape the backbone sees for one example (latent shape with an autoencoder)."""
+        shape = tuple(self.sample_field.shape)
+        return self.autoencoder.latent_shape(shape) if self.autoencoder is not None else shape
+
+    def _condition_examples(self, rows: int) -> dict[str, jax.Array]:
+        examples = {}
+        for name, field in self.inputs.conditions.items():
+            dtype = field.dtype or (jnp.int32 if name == "label" else jnp.float32)
+            examples[name] = jnp.zeros((rows,) + tuple(field.shape), dtype)
+        return examples
+
+    def init(self, key, variables=None):
+        if variables is not None:
+            return variables
+        x = jnp.zeros((1,) + self.model_shape, jnp.float32)
+        conditions = self._condition_examples(1) or None
+        return self.model.init(key, x, jnp.zeros((1,), jnp.float32), conditions)
+
+    def check(self, batch) -> None:
+        super().check(batch)
+        sample = np.asarray(batch[self.sample_field.key])
+        if sample.dtype != np.uint8 and not np.issubdtype(sample.dtype, np.floating):
+            raise ValueError(
+                f"Batch field {self.sample_field.key!r} has dtype {sample.dtype}; diffusion samples are "
+                "uint8 images (0..255) or floats in [-1, 1]."
+            )
+
+    def to_model_space(self, samples: jax.Array) -> jax.Array:
+        """uint8 samples to [-1, 1] floats, then to latents when there is an autoencoder."""
+        x = samples.astype(jnp.float32) / 127.5 - 1.0 if samples.dtype == jnp.uint8 else samples.astype(jnp.float32)
+        return self.autoencoder.encode(x) if self.autoencoder is not None else x
+
+    def conditions_of(self, batch, key=None) -> dict[str, jax.Array] | None:
+        """The batch's conditions, with rows dropped to unconditional when `key` is given."""
+        if not self.conditional:
+            return None
+        conditions = {name: batch[name] for name in self.inputs.conditions if name in batch}
+        if key is None or self.unconditional_prob == 0.0:
+            return conditions
+        rows = next(iter(conditions.values())).shape[0]
+        drop = jax.random.bernoulli(key, self.unconditional_prob, (rows,))
+        dropped = {}
+        for name, value in conditions.items():
+            if jnp.issubdtype(value.dtype, jnp.integer):
+                dropped[name] = jnp.where(drop, -1, value)
+            else:
+                mask = drop.reshape((rows,) + (1,) * (value.ndim - 1))
+                dropped[name] = jnp.where(mask, jnp.zeros_like(value), value)
+        return dropped
+
+    def _errors(self, variables, batch, key, drop: bool):
+        noise_key, drop_key = jax.random.split(key)
+        x0 = self.to_model_space(batch[self.sample_field.key])
+        example = self.process.training_example(noise_key, x0)
+        x_in, noise_input = self.process.model_input(example.x_t, example.t)
+        conditions = self.conditions_of(batch, drop_key if drop else None)
+        output = self.model.apply(variables, x_in, noise_input, conditions)
+        squared = (output.astype(jnp.float32) - example.target) ** 2
+        per_example = jnp.mean(squared.reshape(squared.shape[0], -1), axis=1)
+        return per_example, example.weight
+
+    def loss(self, variables, batch, step):
+        per_example, weight = self._errors(variables, batch, step.key, drop=True)
+        loss = jnp.mean(weight * per_example)
+        return loss, Aux(metrics={"mse": jnp.mean(per_example)})
+
+    def evaluate(self, variables, batch, step):
+        per_example, weight = self._errors(variables, batch, step.key, drop=False)
+        return {"loss": jnp.mean(weight * per_example), "mse": jnp.mean(per_example)}
+
+    def pipeline(self, state):
+        """A TextToImage task over the trained state (its EMA weights when it keeps them)."""
+        variables = state.averaged if state.ema is not None else state.variables
+        return self.task(variables)
+
+    def task(self, variables):
+        from dew.inference.image import TextToImage
+
+        return TextToImage(
+            model=self.model,
+            variables=variables,
+            process=self.process,
+            sample_shape=self.model_shape,
+            conditions={name: field for name, field in self.inputs.conditions.items()},
+            autoencoder=self.autoencoder,
+        )
+
+    def preview(self, variables, key, step):
+        from dew.eval.image_metrics import image_grid
+        from dew.sampling.solvers import Heun
+
+        count = self.preview_count
+        task = self.task(variables)
+        classes = getattr(self.model, "num_classes", None)
+        if "label" in self.inputs.conditions and classes:
+            labels = [i % classes for i in range(count)]
+        else:
+            labels = [None] * count
+        result = task(labels, steps=self.preview_steps, solver=Heun(), key=key).host()
+        return [Artifact("samples", "image", image_grid(result.uint8()))]
