@@ -8,6 +8,10 @@ from typing import Any
 _EXPORTS = {
     "CausalTransformer": "dew.nn.backbones.causal_transformer",
     "LayerKind": "dew.nn.backbones.layer_plan",
+    "SimpleDiT": "dew.nn.backbones.dit",
+    "UNet": "dew.nn.backbones.unet",
+    "MMDiT": "dew.nn.backbones.mmdit",
+    "VideoDiT": "dew.nn.backbones.video_dit",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,182 @@
+"""Transformer blocks over token sequences for the diffusion and vision backbones.
+
+- `QKV` projects tokens to per-head queries, keys and values; `SelfAttention` is QKV -> bidirectional
+  attention (`dew.nn.attention.dot_product_attention`) -> output projection.
+- `MlpBlock`: Dense -> tanh-GELU -> Dense, width ``mlp_ratio * features``.
+- `AdaLNZeroBlock`: DiT's block (Peebles & Xie 2023, section 3.2). A conditioning vector c gives
+  six [B, D] vectors through ``modulation`` (SiLU -> Dense, zero-initialized):
+
+      x = x + gate_attn * attn(LN(x) * (1 + scale_attn) + shift_attn)
+      x = x + gate_mlp  * mlp(LN(x) * (1 + scale_mlp) + shift_mlp)
+
+  With the modulation at zero every gate is 0, so a fresh block is the identity.
+- `TransformerBlock`: the plain pre-norm ViT block (learned LayerNorms, no conditioning).
+- `FinalLayer`: DiT's output head, adaLN (shift, scale) then a zero-initialized linear map.
+
+Kernels are [in, out] with logical axis names: ("embed", "heads") / ("heads", "embed") for the
+attention projections, ("embed", "mlp") / ("mlp", "embed") for the MLP and the modulations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.nn.attention import dot_product_attention
+from dew.nn.embeddings import dense
+
+
+def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [B, L, D] * (1 + scale [B, D]) + shift [B, D]."""
+    return x * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
+def layer_norm(name: str | None = None, *, affine: bool = False, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32) -> nn.LayerNorm:
+    """LayerNorm with eps 1e-6; without learned scale and bias when the block modulates it."""
+    init_ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+    init_zeros = nn.with_logical_partitioning(nn.initializers.zeros, ("norm",))
+    return nn.LayerNorm(
+        epsilon=1e-6, use_scale=affine, use_bias=affine, dtype=dtype, param_dtype=param_dtype,
+        scale_init=init_ones, bias_init=init_zeros, name=name,
+    )
+
+
+class Modulation(nn.Module):
+    """c [B, D] -> ``chunks`` vectors [B, features]: SiLU -> Dense, zero-initialized (adaLN-zero)."""
+
+    chunks: int
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, c: jax.Array) -> list[jax.Array]:
+        out = dense(
+            self.chunks * self.features, ("embed", "mlp"), "proj", zero=True,
+            dtype=self.dtype, param_dtype=self.param_dtype,
+        )(nn.silu(c))
+        return jnp.split(out, self.chunks, axis=-1)
+
+
+class QKV(nn.Module):
+    """x [B, L, D] -> q, k, v each [B, L, num_heads, D // num_heads] (one fused Dense)."""
+
+    num_heads: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        batch, length, features = x.shape
+        if features % self.num_heads:
+            raise ValueError(
+                f"emb_features={features} is not divisible by num_heads={self.num_heads}; "
+                f"choose a width that is a multiple of the head count"
+            )
+        qkv = dense(3 * features, ("embed", "heads"), "proj", dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        qkv = qkv.reshape(batch, length, 3, self.num_heads, features // self.num_heads)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+def attend(q, k, v, *, mask=None, impl="auto") -> jax.Array:
+    """Bidirectional attention of [B, L, N, H] heads -> [B, L, N*H]."""
+    out = dot_product_attention(q, k, v, causal=False, mask=mask, impl=impl)
+    return out.reshape(*out.shape[:2], -1)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head bidirectional self-attention: ``qkv`` -> attention -> ``out``.
+
+    ``mask`` (optional, boolean, broadcastable to [B, heads, L, L]) marks the keys a query sees.
+    ``zero_out`` zero-initializes the output projection (residual branches that start as no-ops).
+    """
+
+    num_heads: int
+    attention_impl: str = "auto"
+    zero_out: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        q, k, v = QKV(self.num_heads, name="qkv", **kw)(x)
+        out = attend(q, k, v, mask=mask, impl=self.attention_impl)
+        return dense(x.shape[-1], ("heads", "embed"), "out", zero=self.zero_out, **kw)(out)
+
+
+class MlpBlock(nn.Module):
+    """Dense(mlp_ratio * D) -> GELU (tanh approximation, as DiT) -> Dense(D)."""
+
+    mlp_ratio: float = 4.0
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        hidden = int(x.shape[-1] * self.mlp_ratio)
+        h = dense(hidden, ("embed", "mlp"), "fc1", **kw)(x)
+        h = nn.gelu(h, approximate=True)
+        return dense(x.shape[-1], ("mlp", "embed"), "fc2", **kw)(h)
+
+
+class AdaLNZeroBlock(nn.Module):
+    """DiT block: modulated self-attention and MLP with zero-initialized gates (see module doc).
+
+    ``modulation`` chunks, in order: shift_attn, scale_attn, gate_attn, shift_mlp, scale_mlp, gate_mlp.
+    """
+
+    num_heads: int
+    mlp_ratio: float = 4.0
+    attention_impl: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, c: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = Modulation(6, x.shape[-1], name="modulation", **kw)(c)
+        h = modulate(layer_norm("norm1", **kw)(x), shift_a, scale_a)
+        h = SelfAttention(self.num_heads, self.attention_impl, name="attn", **kw)(h, mask)
+        x = x + gate_a[:, None, :] * h
+        h = modulate(layer_norm("norm2", **kw)(x), shift_m, scale_m)
+        h = MlpBlock(self.mlp_ratio, name="mlp", **kw)(h)
+        return x + gate_m[:, None, :] * h
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm ViT block without conditioning: x + attn(LN(x)), then x + mlp(LN(x))."""
+
+    num_heads: int
+    mlp_ratio: float = 4.0
+    attention_impl: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = x + SelfAttention(self.num_heads, self.attention_impl, name="attn", **kw)(
+            layer_norm("norm1", affine=True, **kw)(x), mask
+        )
+        return x + MlpBlock(self.mlp_ratio, name="mlp", **kw)(layer_norm("norm2", affine=True, **kw)(x))
+
+
+class FinalLayer(nn.Module):
+    """DiT's head: LN(x) * (1 + scale) + shift from c, then a zero-initialized Dense to ``features``."""
+
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, c: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        shift, scale = Modulation(2, x.shape[-1], name="modulation", **kw)(c)
+        x = modulate(layer_norm("norm", **kw)(x), shift, scale)
+        return dense(self.features, ("embed", None), "linear", zero=True, **kw)(x)
