@@ -29,6 +29,7 @@ _EXPORTS = {
     "LocalTracker": "dew.tracking.local",
     "Trackers": "dew.tracking.base",
     "pipeline": "dew.inference.pipeline",
+    "sample": "dew.sampling.sample",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only
     from dew.data.dataset import Dataset, Loading
     from dew.eval.evaluation import Evaluation
     from dew.inference.pipeline import pipeline
+    from dew.sampling.sample import sample
     from dew.objectives.base import Aux, Field, InputSpec, Objective, Step
     from dew.tracking.base import Trackers
     from dew.tracking.local import LocalTracker
