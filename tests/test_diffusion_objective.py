@@ -125,3 +125,30 @@ def test_images_of_the_wrong_shape_or_dtype_fail_naming_the_field():
     wrong_dtype = Dataset.from_records({"image": np.zeros((8, 8, 8, 1), np.int64)}, batch=8)
     with pytest.raises(ValueError, match="'image' has dtype int64"):
         trainer.fit(wrong_dtype, steps=1)
+
+
+def test_evaluation_draws_samples_for_fid_over_the_validation_pass():
+    from dew.eval.image_metrics import FID, RandomConvFeatures
+
+    obj = objective(evaluation_steps=4)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (40, 8, 8, 1), dtype=np.uint8)
+    data = Dataset.from_records({"image": images[:24]}, batch=8, validation={"image": images[24:]})
+    trainer = Trainer(obj, optax.adam(1e-3), key=jax.random.key(0))
+    trainer.fit(data, steps=2, log_every=2, eval_every=2, metrics=(FID(RandomConvFeatures(dim=8)),))
+    scores = trainer.evaluations[-1].scores
+    assert np.isfinite(scores["val/fid"]) and scores["val/fid"] > 0 and "val/loss" in scores
+
+
+def test_a_video_dit_trains_on_clips():
+    from dew.diffusion.presets import Flow
+    from dew.nn.backbones import VideoDiT
+
+    model = VideoDiT(patch_size=4, tubelet_size=2, emb_features=32, num_layers=1, num_heads=2)
+    obj = DiffusionObjective(model, Flow(), InputSpec(Field("video", (4, 8, 8, 3))), ema_decay=None)
+    clips = np.random.default_rng(0).integers(0, 256, (8, 4, 8, 8, 3), dtype=np.uint8)
+    trainer = Trainer(obj, optax.adam(1e-3), key=jax.random.key(0))
+    state = trainer.fit(Dataset.from_records({"video": clips}, batch=8), steps=3, log_every=3)
+    assert all(np.isfinite(h["loss"]) for h in trainer.history)
+    drawn = obj.pipeline(state)([None, None], steps=3, solver=Euler(), seed=0).host()
+    assert drawn.images.shape == (2, 4, 8, 8, 3)

@@ -97,7 +97,8 @@ class Process:
     @property
     def sigma_max(self) -> float:
         """The grid's first noise level (the same for every step count)."""
-        return float(self.sigmas(1)[0])
+        with jax.ensure_compile_time_eval():  # a constant of the schedule, also inside a jit
+            return float(self.sigmas(1)[0])
 
     def noise(self, key, shape, dtype=jnp.float32) -> jax.Array:
         """x_T in sigma space: ``sigma_max * eps``, what `dew.sample` starts from."""

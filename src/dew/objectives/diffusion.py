@@ -35,7 +35,10 @@ class DiffusionObjective(Objective):
     """Denoising loss for `model` under `process` (a Process or a preset such as `EDM()`).
 
     `inputs` names the sample field first (uint8 images `(H, W, C)` or clips `(T, H, W, C)`), and
-    its `conditions` name the conditioning fields (`"label"` int ids, or float embeddings).
+    its `conditions` name the conditioning fields (`"label"` int ids, or float embeddings). With
+    `evaluation_steps`, each validation batch also draws samples (Heun, that many steps, with the
+    batch's conditions) and returns them as "samples" beside the real "images", both in [-1, 1],
+    for sample metrics such as FID.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class DiffusionObjective(Objective):
         autoencoder: Autoencoder | None = None,
         preview_count: int = 16,
         preview_steps: int = 32,
+        evaluation_steps: int | None = None,
     ):
         if not isinstance(inputs, InputSpec) or not inputs.fields:
             raise ValueError("DiffusionObjective needs InputSpec(Field(sample, shape), conditions=...).")
@@ -64,6 +68,7 @@ class DiffusionObjective(Objective):
         self.autoencoder = autoencoder
         self.preview_count = preview_count
         self.preview_steps = preview_steps
+        self.evaluation_steps = evaluation_steps
 
     @property
     def conditional(self) -> bool:
@@ -138,8 +143,23 @@ class DiffusionObjective(Objective):
         return loss, Aux(metrics={"mse": jnp.mean(per_example)})
 
     def evaluate(self, variables, batch, step):
-        per_example, weight = self._errors(variables, batch, step.key, drop=False)
-        return {"loss": jnp.mean(weight * per_example), "mse": jnp.mean(per_example)}
+        error_key, sample_key = jax.random.split(step.key)
+        per_example, weight = self._errors(variables, batch, error_key, drop=False)
+        outputs = {"loss": jnp.mean(weight * per_example), "mse": jnp.mean(per_example)}
+        if self.evaluation_steps is not None:
+            from dew.sampling.sample import sample
+            from dew.sampling.solvers import Heun
+
+            real = batch[self.sample_field.key]
+            noise_key, solver_key = jax.random.split(sample_key)
+            x_T = self.process.noise(noise_key, (real.shape[0],) + self.model_shape)
+            denoise = self.process.denoiser(self.model, variables, self.conditions_of(batch))
+            drawn = sample(denoise, x_T, solver=Heun(), steps=self.evaluation_steps, key=solver_key)
+            if self.autoencoder is not None:
+                drawn = self.autoencoder.decode(drawn)
+            outputs["samples"] = jnp.clip(drawn, -1.0, 1.0)
+            outputs["images"] = real.astype(jnp.float32) / 127.5 - 1.0 if real.dtype == jnp.uint8 else real
+        return outputs
 
     def pipeline(self, state):
         """A TextToImage task over the trained state (its EMA weights when it keeps them)."""
