@@ -75,3 +75,14 @@ def test_the_full_demo_writes_real_words(tmp_path, capsys):
     assert len(words) >= 10
     assert sum(w in vocabulary for w in words) / len(words) > 0.8
     assert float(out.split("validation loss ")[1].split()[0]) < 1.6
+
+
+def test_the_demo_digits_part_writes_a_sample_grid(tmp_path, capsys):
+    from PIL import Image
+
+    from dew.cli import demo
+
+    demo.run(out=str(tmp_path / "demo"), parts=("digits",), digits_steps=6)
+    grid = Image.open(tmp_path / "demo" / "digits" / "samples.png")
+    assert grid.size == (10 * 32 + 9 * 2, 4 * 32 + 3 * 2)  # 10 digits x 4 samples, 32 px each, 2 px between
+    assert "each column is one digit" in capsys.readouterr().out

@@ -110,3 +110,15 @@ def test_pipeline_refuses_what_is_not_a_local_run_or_checkpoint(tmp_path):
         RunConfig.load(tmp_path)
     with pytest.raises(FileNotFoundError, match="holds no run.json"):
         RunConfig.load(tmp_path / "missing")
+
+
+def test_the_registry_resolves_aliases_and_import_paths():
+    from dew import registry
+    from dew.nn.backbones import SimpleDiT
+
+    assert registry.resolve_model("simple_dit") is SimpleDiT
+    assert registry.resolve_model("dew.nn.backbones.causal_transformer.CausalTransformer") is CausalTransformer
+    for alias in registry.models:
+        assert registry.resolve_model(alias) is not None
+    with pytest.raises(ValueError, match="Unknown model 'gpt5'"):
+        registry.resolve_model("gpt5")

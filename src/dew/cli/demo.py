@@ -215,7 +215,7 @@ def curve_part(out: Path, steps: int) -> None:
 
 def run(
     out: str = "runs/demo",
-    parts: tuple[str, ...] = ("lm",),
+    parts: tuple[str, ...] = ("lm", "digits"),
     lm_steps: int = 1500,
     digits_steps: int = 1500,
     curve_steps: int = 600,

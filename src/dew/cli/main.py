@@ -9,16 +9,19 @@ from tyro.conf import Positional
 
 def _demo(
     out: str = "runs/demo",
-    parts: tuple[str, ...] = ("lm",),
+    parts: tuple[str, ...] = ("lm", "digits"),
     lm_steps: int = 1500,
+    digits_steps: int = 1500,
     curve_steps: int = 600,
     fresh: bool = True,
 ) -> None:
-    """Run the main job on an embedded default: train a small decoder on Python's help text, save
-    the run, and print a greedy continuation (parts: lm, curve)."""
+    """Run the main job on an embedded default: a small decoder trained on Python's help text
+    (a saved run and a greedy continuation) and a class-conditional DiT on scikit-learn's digits
+    (runs/demo/digits/samples.png). Parts: lm, digits, curve."""
     from dew.cli import demo
 
-    demo.run(out=out, parts=parts, lm_steps=lm_steps, curve_steps=curve_steps, fresh=fresh)
+    demo.run(out=out, parts=parts, lm_steps=lm_steps, digits_steps=digits_steps,
+             curve_steps=curve_steps, fresh=fresh)
 
 
 def _tokenize(
