@@ -191,3 +191,12 @@ class DiffusionObjective(Objective):
             labels = [None] * count
         result = task(labels, steps=self.preview_steps, solver=Heun(), key=key).host()
         return [Artifact("samples", "image", image_grid(result.uint8()))]
+
+
+def __getattr__(name: str):
+    # Masked-token diffusion for language lives in its own module; the spec imports it from here.
+    if name == "MaskedDiffusionObjective":
+        from dew.objectives.masked import MaskedDiffusionObjective
+
+        return MaskedDiffusionObjective
+    raise AttributeError(f"module 'dew.objectives.diffusion' has no attribute {name!r}")
