@@ -13,6 +13,8 @@ models: dict[str, str] = {
     "unet": "dew.nn.backbones.unet.UNet",
     "mmdit": "dew.nn.backbones.mmdit.MMDiT",
     "video_dit": "dew.nn.backbones.video_dit.VideoDiT",
+    "jepa_encoder": "dew.nn.backbones.jepa.JepaEncoder",
+    "jepa_predictor": "dew.nn.backbones.jepa.JepaPredictor",
 }
 
 

@@ -70,7 +70,9 @@ def knn_predict(
     return votes.argmax(axis=1)
 
 
-def knn_accuracy(memory, memory_labels, queries, query_labels, num_classes: int, *, k: int = 20, temperature: float = 0.07) -> float:
+def knn_accuracy(
+    memory, memory_labels, queries, query_labels, num_classes: int, *, k: int = 20, temperature: float = 0.07
+) -> float:
     """The share of `queries` whose kNN vote over `memory` matches `query_labels`."""
     predicted = knn_predict(
         np.asarray(memory), np.asarray(memory_labels), np.asarray(queries), num_classes, k=k, temperature=temperature

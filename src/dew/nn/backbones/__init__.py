@@ -6,6 +6,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "JepaEncoder": "dew.nn.backbones.jepa",
+    "JepaPredictor": "dew.nn.backbones.jepa",
     "CausalTransformer": "dew.nn.backbones.causal_transformer",
     "LayerKind": "dew.nn.backbones.layer_plan",
     "SimpleDiT": "dew.nn.backbones.dit",
