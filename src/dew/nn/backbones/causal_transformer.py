@@ -191,10 +191,13 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # 2-D matmuls: XLA's CPU backward then needs no transposes
         gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
         up = _dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)
-        return _dense(x.shape[-1], ("mlp", "embed"), "down_proj", std=out_std, **dense)(nn.silu(gate) * up)
+        out = _dense(shape[-1], ("mlp", "embed"), "down_proj", std=out_std, **dense)(nn.silu(gate) * up)
+        return out.reshape(shape)
 
 
 class DecoderBlock(nn.Module):
