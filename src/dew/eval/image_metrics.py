@@ -97,21 +97,25 @@ def _images(outputs: Mapping[str, np.ndarray], key: str, metric: str) -> np.ndar
 
 
 @dataclasses.dataclass(frozen=True)
-class PSNR:
-    """Mean per-image PSNR over the pass, between outputs `key_a` and `key_b`."""
+class _MeanImageScore:
+    """Mean per-image score over the pass, between outputs `key_a` and `key_b`."""
 
     key_a: str = "samples"
     key_b: str = "images"
     data_range: float = 2.0
-    name: str = "psnr"
+    name: str = "score"
+
+    def score(self, a: np.ndarray, b: np.ndarray):
+        raise NotImplementedError
 
     def empty(self):
         return 0.0, 0
 
     def update(self, accumulator, outputs):
         total, count = accumulator
-        a, b = _images(outputs, self.key_a, "PSNR"), _images(outputs, self.key_b, "PSNR")
-        values = np.atleast_1d(psnr(a, b, self.data_range))
+        label = type(self).__name__
+        a, b = _images(outputs, self.key_a, label), _images(outputs, self.key_b, label)
+        values = np.atleast_1d(self.score(a, b))
         return total + float(np.sum(values)), count + values.size
 
     def result(self, accumulator):
@@ -120,26 +124,23 @@ class PSNR:
 
 
 @dataclasses.dataclass(frozen=True)
-class SSIM:
+class PSNR(_MeanImageScore):
+    """Mean per-image PSNR over the pass, between outputs `key_a` and `key_b`."""
+
+    name: str = "psnr"
+
+    def score(self, a, b):
+        return psnr(a, b, self.data_range)
+
+
+@dataclasses.dataclass(frozen=True)
+class SSIM(_MeanImageScore):
     """Mean per-image SSIM over the pass, between outputs `key_a` and `key_b`."""
 
-    key_a: str = "samples"
-    key_b: str = "images"
-    data_range: float = 2.0
     name: str = "ssim"
 
-    def empty(self):
-        return 0.0, 0
-
-    def update(self, accumulator, outputs):
-        total, count = accumulator
-        a, b = _images(outputs, self.key_a, "SSIM"), _images(outputs, self.key_b, "SSIM")
-        values = np.atleast_1d(ssim(a, b, self.data_range))
-        return total + float(np.sum(values)), count + values.size
-
-    def result(self, accumulator):
-        total, count = accumulator
-        return {self.name: total / count if count else float("nan")}
+    def score(self, a, b):
+        return ssim(a, b, self.data_range)
 
 
 # ----------------------------------------------------------------------------------------------

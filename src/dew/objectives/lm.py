@@ -71,6 +71,26 @@ class Perplexity:
         return {self.name: math.exp(total / tokens)}
 
 
+def decoder_parts(model: Any, seq_len: int, variables: Any, tokenizer: Any) -> tuple[Any, Any, Any]:
+    """Unwrap a pretrained bundle (`.model`, `.variables`, `.tokenizer`) and check the settings
+    shared by the decoder objectives; returns `(model, variables, tokenizer)`."""
+    if hasattr(model, "model") and hasattr(model, "variables"):  # a pretrained bundle
+        variables = model.variables if variables is None else variables
+        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        model = model.model
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
+    limit = getattr(model, "max_seq_len", None)
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"seq_len={seq_len} is longer than the model's max_seq_len={limit}; "
+            f"use seq_len <= {limit} or build the model with a larger max_seq_len."
+        )
+    if variables is not None and "params" not in variables:
+        raise ValueError(f"variables must hold a 'params' collection; got {sorted(variables)}.")
+    return model, variables, tokenizer
+
+
 class LMObjective(Objective):
     """Next-token cross-entropy for a decoder such as `CausalTransformer`.
 
@@ -89,20 +109,7 @@ class LMObjective(Objective):
         samples: Samples | None = None,
         tokenizer: Any = None,
     ):
-        if hasattr(model, "model") and hasattr(model, "variables"):  # a pretrained bundle
-            variables = model.variables if variables is None else variables
-            tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-            model = model.model
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
-        limit = getattr(model, "max_seq_len", None)
-        if limit is not None and seq_len > limit:
-            raise ValueError(
-                f"seq_len={seq_len} is longer than the model's max_seq_len={limit}; "
-                f"use seq_len <= {limit} or build the model with a larger max_seq_len."
-            )
-        if variables is not None and "params" not in variables:
-            raise ValueError(f"variables must hold a 'params' collection; got {sorted(variables)}.")
+        model, variables, tokenizer = decoder_parts(model, seq_len, variables, tokenizer)
         self.model = model
         self.seq_len = seq_len
         self.variables = variables

@@ -19,6 +19,7 @@ import numpy as np
 
 from dew import rl
 from dew.objectives.base import Aux, Field, InputSpec, Objective
+from dew.objectives.lm import decoder_parts
 from dew.sampling.text import Sampling
 
 REFERENCE = "reference"
@@ -80,20 +81,7 @@ class _PolicyObjective(Objective):
     keeps_reference = True
 
     def __init__(self, model, seq_len, *, variables=None, tokenizer=None, ema_decay=None):
-        if hasattr(model, "model") and hasattr(model, "variables"):  # a pretrained bundle
-            variables = model.variables if variables is None else variables
-            tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-            model = model.model
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
-        limit = getattr(model, "max_seq_len", None)
-        if limit is not None and seq_len > limit:
-            raise ValueError(
-                f"seq_len={seq_len} is longer than the model's max_seq_len={limit}; use seq_len <= "
-                f"{limit} or build the model with a larger max_seq_len."
-            )
-        if variables is not None and "params" not in variables:
-            raise ValueError(f"variables must hold a 'params' collection; got {sorted(variables)}.")
+        model, variables, tokenizer = decoder_parts(model, seq_len, variables, tokenizer)
         self.model = model
         self.seq_len = seq_len
         self.variables = variables
