@@ -25,7 +25,7 @@ Prints one JSON line.
 Needs torch, transformers and Dew in one environment:
 
     .venv-ref/bin/python benchmarks/lm_train.py [--steps 200] [--window 40] [--repeats 5]
-        [--data /work/shared/data/tinyshakespeare.txt | --synthetic]
+        [--data ../shared/data/tinyshakespeare.txt | --synthetic]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from dew import Dataset, Trainer
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.lm import LMObjective
 
-DEFAULT_DATA = "/work/shared/data/tinyshakespeare.txt"
+DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
 
 # nanoGPT's CPU shakespeare_char settings, in Llama form
 VOCAB, WIDTH, LAYERS, HEADS, MLP, CONTEXT, BATCH = 256, 128, 4, 4, 512, 64, 12

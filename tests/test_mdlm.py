@@ -18,7 +18,7 @@ from dew.objectives.base import Step
 from dew.objectives.lm import Perplexity
 from dew.objectives.masked import MaskedDiffusionObjective
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 MASK = 256
 
 
@@ -119,7 +119,7 @@ def test_bad_input_fails_with_clear_errors():
         MDLM(mask_id=-1)()
 
 
-@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="tinyshakespeare.txt is not in /work/shared/data")
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"tinyshakespeare is not at {SHAKESPEARE} (the shared data folder)")
 def test_the_elbo_falls_while_training_on_shakespeare_bytes(tmp_path):
     (tmp_path / "in.txt").write_text(SHAKESPEARE.read_text()[:60000])
     tokenize(tmp_path / "in.txt", tmp_path / "tokens", "byte", val_fraction=0.1)
