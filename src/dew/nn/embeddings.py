@@ -29,9 +29,13 @@ import numpy as np
 
 
 def dense(features, axes, name, *, dtype, param_dtype, use_bias=True, zero=False, init=None):
-    """nn.Dense with a logically named kernel [in, out] (xavier-uniform, or zeros) and bias [out]."""
+    """nn.Dense with a logically named kernel [in, out] (xavier-uniform, or zeros) and bias [out].
+
+    The returned layer applies to tokens flattened to 2-D rows: the same parameters and values, but
+    XLA's CPU backward pass then computes the weight gradient without transposing activations.
+    """
     kernel_init = nn.initializers.zeros if zero else (init or nn.initializers.xavier_uniform())
-    return nn.Dense(
+    layer = nn.Dense(
         features,
         use_bias=use_bias,
         dtype=dtype,
@@ -40,6 +44,13 @@ def dense(features, axes, name, *, dtype, param_dtype, use_bias=True, zero=False
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
         name=name,
     )
+
+    def apply(x):
+        if x.ndim <= 2:
+            return layer(x)
+        return layer(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (features,))
+
+    return apply
 
 
 # ------------------------------------------------------------------ noise level
