@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# torch, transformers and diffusers live in a second environment, for tools/, reference tests and
+# the benchmarks that compare with them; the default suite never needs them.
+REF := .venv-ref
+REF_STAMP := $(REF)/.installed
 
 .PHONY: demo test test-slow test-reference bench clean
 
@@ -11,6 +15,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
+
+$(REF_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(REF)
+	$(REF)/bin/pip install --quiet --upgrade pip
+	$(REF)/bin/pip install --quiet -e ".[test,reference]"
+	touch $(REF_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/dew demo
@@ -21,9 +31,14 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-test-reference: $(STAMP)
-	$(BIN)/pip install --quiet -e ".[test,reference]"
-	$(BIN)/python -m pytest -q -m reference
+test-reference: $(REF_STAMP)
+	$(REF)/bin/python -m pytest -q -m reference
+
+bench: $(STAMP) $(REF_STAMP)
+	$(BIN)/python benchmarks/step_overhead.py
+	$(REF)/bin/python benchmarks/lm_train.py
+	$(REF)/bin/python benchmarks/lm_decode.py
+	$(REF)/bin/python benchmarks/diffusion_train.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(REF) runs
