@@ -83,3 +83,37 @@ def test_sft_dpo_and_grpo_programs_continue_one_decoder(tmp_path):
     assert int(rl_state.step) == 4
     assert seen[0] == ("tinyshakespeare", "e") and len(seen) == 4 * 8 * 4  # steps x prompts x groups
     assert all(np.isfinite(h["loss"]) for h in rl_trainer.history)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"tinyshakespeare is not at {SHAKESPEARE}")
+def test_grpo_teaches_a_rarely_written_word_to_most_responses(tmp_path):
+    """A byte-level decoder pretrained briefly on Shakespeare rarely writes " the" after "ROMEO:";
+    rewarding the word makes most of its responses contain it (3% -> 100% in one run)."""
+    tokenize(SHAKESPEARE, tmp_path / "tokens", "byte", val_fraction=0.01)
+    tokenizer = ByteTokenizer()
+    data = TokenWindows(path=str(tmp_path / "tokens"), seq_len=64, loading=Loading(workers=0)).load(batch=16)
+    model = CausalTransformer(vocab_size=256, emb_features=64, num_layers=2, num_heads=4, mlp_features=192,
+                              max_seq_len=64)
+    lm_state = Trainer(LMObjective(model, seq_len=64), optax.adamw(3e-3), key=jax.random.key(0)).fit(
+        data, steps=300, log_every=100)
+    prompt = tokenizer.encode("ROMEO:\n")
+    batch = {"prompt": np.tile(np.array(prompt, np.int32), (8, 1)),
+             "prompt_length": np.full(8, len(prompt), np.int32),
+             "data_source": np.tile(np.frombuffer(b"play", np.uint8).astype(np.int32), (8, 1)),
+             "ground_truth": np.tile(np.frombuffer(b"the", np.uint8).astype(np.int32), (8, 1)),
+             "extra_info": np.zeros((8, 0), np.int32)}
+    hits = []
+
+    def reward(data_source, completion, ground_truth, extra_info):
+        hits.append(ground_truth in completion)
+        return float(ground_truth in completion)
+
+    objective = GRPOObjective(model, seq_len=len(prompt) + 15, beta=0.01, variables=lm_state.variables)
+    rollout = SampledRollout(objective, reward=reward, groups=4, max_new_tokens=16,
+                             sampling=Sampling(temperature=1.0, top_k=40), decode=tokenizer.decode)
+    data = Dataset(train=lambda partition: itertools.repeat(batch), val=None, records=8, batch=8)
+    Trainer(objective, optax.adamw(1e-3), key=jax.random.key(3), rollout=rollout).fit(data, steps=30, log_every=10)
+    per_step = np.array(hits).reshape(30, 32).mean(axis=1)
+    assert per_step[0] < 0.3
+    assert per_step[-5:].mean() > 0.75

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -195,6 +195,3 @@ def batch_divisor(mesh: Mesh) -> int:
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
-
-def rules_as_mapping(layout: Layout) -> Mapping[str, tuple[str, ...]]:
-    return {name: _as_tuple(target) for name, target in layout.rules}
