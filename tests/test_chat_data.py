@@ -84,6 +84,20 @@ def test_reads_jsonl_files_and_hub_layout_directories(tokenizer, tmp_path):
     assert len(data) == 1  # the train split only
 
 
+def test_parquet_files_read_like_jsonl(tokenizer, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist([SIMPLE, {"messages": TOOL_CHAT["messages"][:2] + [{"role": "assistant", "content": "Sunny."}]}])
+    pq.write_table(table, tmp_path / "chats.parquet")
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in table.to_pylist()) + "\n")
+    from_parquet = ChatMessages(tmp_path / "chats.parquet", tokenizer, seq_len=64)
+    from_jsonl = ChatMessages(tmp_path / "chats.jsonl", tokenizer, seq_len=64)
+    for name in ("text", "text_roles"):
+        np.testing.assert_array_equal(from_parquet.columns()[name], from_jsonl.columns()[name])
+    assert (from_parquet.columns()["text_roles"] == Role.ASSISTANT).any()
+
+
 def test_parquet_without_pyarrow_names_the_package(tokenizer, tmp_path):
     pytest.importorskip("jinja2")
     try:
