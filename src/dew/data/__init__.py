@@ -5,8 +5,7 @@ Names resolve on first use, so importing `dew.data` stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dew._lazy import lazy_getattr
 
 _EXPORTS = {
     "Batch": "dew.data.dataset",
@@ -33,10 +32,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dew.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -5,8 +5,7 @@ Names resolve on first use, so importing `dew.eval` stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dew._lazy import lazy_getattr
 
 _EXPORTS = {
     "Evaluation": "dew.eval.evaluation",
@@ -29,10 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dew.eval' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
