@@ -6,9 +6,9 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from dew.diffusion.discrete import MaskedSample, as_masked_process
+from dew.inference.text import encode_prompts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,7 +34,7 @@ class MaskedGeneration:
         if key is None:
             key = jax.random.key(int(seed))
         return self.process.generate(
-            self.model, self.variables, self._encode(prompts), length, key=key,
+            self.model, self.variables, encode_prompts(prompts, self.tokenizer), length, key=key,
             steps=self.steps if steps is None else steps,
             temperature=self.temperature if temperature is None else temperature,
         )
@@ -47,11 +47,3 @@ class MaskedGeneration:
             raise ValueError("this task has no tokenizer; build it with MaskedGeneration(..., tokenizer=...)")
         return [self.tokenizer.decode([int(t) for t in row]) for row in result.host().tokens]
 
-    def _encode(self, prompts: Any) -> Any:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids or build the task with tokenizer=")
-            return [np.asarray(self.tokenizer.encode(p), np.int32) for p in prompts]
-        return prompts

@@ -41,7 +41,7 @@ class TextGeneration:
         if key is None:
             key = jax.random.key(int(seed))
         return generate(
-            self.model, self.variables, self._encode(prompts), max_new_tokens,
+            self.model, self.variables, encode_prompts(prompts, self.tokenizer), max_new_tokens,
             key=key, sampling=self.sampling if sampling is None else sampling, n=n,
         )
 
@@ -60,11 +60,13 @@ class TextGeneration:
             texts.append(self.tokenizer.decode([int(i) for i in ids]))
         return texts
 
-    def _encode(self, prompts: Any) -> Any:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids or build the task with tokenizer=")
-            return [np.asarray(self.tokenizer.encode(p), np.int32) for p in prompts]
-        return prompts
+
+def encode_prompts(prompts: Any, tokenizer: Any) -> Any:
+    """Text prompts (a string or a list of strings) as token-id rows; token ids pass through."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token ids or build the task with tokenizer=")
+        return [np.asarray(tokenizer.encode(p), np.int32) for p in prompts]
+    return prompts
