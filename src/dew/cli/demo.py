@@ -221,7 +221,18 @@ def run(
     curve_steps: int = 600,
     fresh: bool = True,
 ) -> None:
-    """Run the demo parts, each in its own folder under `out`."""
+    """Run the main job on an embedded default: a small decoder trained on Python's help text
+    (a saved run and a greedy continuation) and a class-conditional DiT on scikit-learn's digits
+    (runs/demo/digits/samples.png).
+
+    Args:
+        out: The folder for the runs; each part writes into its own subfolder.
+        parts: Which parts to run: lm, digits, curve.
+        lm_steps: Training steps of the decoder.
+        digits_steps: Training steps of the digits DiT.
+        curve_steps: Training steps of the curve MLP.
+        fresh: Start over, deleting an earlier run of the same part.
+    """
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ValueError(f"Unknown demo part(s) {unknown}; choose from {PARTS}.")

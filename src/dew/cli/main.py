@@ -6,31 +6,7 @@ import sys
 
 from tyro.conf import Positional
 
-
-def _demo(
-    out: str = "runs/demo",
-    parts: tuple[str, ...] = ("lm", "digits"),
-    lm_steps: int = 1500,
-    digits_steps: int = 1500,
-    curve_steps: int = 600,
-    fresh: bool = True,
-) -> None:
-    """Run the main job on an embedded default: a small decoder trained on Python's help text
-    (a saved run and a greedy continuation) and a class-conditional DiT on scikit-learn's digits
-    (runs/demo/digits/samples.png). Parts: lm, digits, curve."""
-    from dew.cli import demo
-
-    demo.run(out=out, parts=parts, lm_steps=lm_steps, digits_steps=digits_steps,
-             curve_steps=curve_steps, fresh=fresh)
-
-
-def _tokenize(
-    input: str, out: str, tokenizer: str = "byte", val_fraction: float = 0.01, pack: bool = False
-) -> None:
-    """Tokenize a text file into train.bin, val.bin and meta.json (the head of the stream is validation)."""
-    from dew.cli import tokenize
-
-    tokenize.run(input=input, out=out, tokenizer=tokenizer, val_fraction=val_fraction, pack=pack)
+from dew.cli import demo, tokenize  # both import their heavy dependencies inside their functions
 
 
 def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False, overwrite: bool = False) -> None:
@@ -44,8 +20,8 @@ def _export(run: Positional[str], dest: Positional[str], step: int | None = None
 
 
 COMMANDS = {
-    "demo": _demo,
-    "tokenize": _tokenize,
+    "demo": demo.run,
+    "tokenize": tokenize.run,
     "export": _export,
 }
 
