@@ -290,6 +290,53 @@ def torch_state_from_variables(variables: Mapping[str, Any]) -> dict[str, np.nda
     return out
 
 
+def random_torch_state(seed: int) -> dict[str, np.ndarray]:
+    """pytorch-fid's whole state dict with random values: what tests use in place of its weights.
+
+    The names and shapes are those of pt_inception-2015-12-05: the port's tensors, the 1008-way
+    classifier ("fc.*") and each batch norm's "num_batches_tracked". The values depend on `seed`
+    alone, so any environment rebuilds them with numpy: one `numpy.random.default_rng(seed)` fills
+    the tensors in sorted-name order. Convolutions are He-normal (std sqrt(2 / fan_in), which keeps
+    the 94 layers' outputs O(1)); batch-norm scales are uniform in [0.5, 1.5], shifts and running
+    means normal with std 0.2 and running variances uniform in [0.5, 2], so the normalisation counts;
+    the classifier is normal with std 0.01 and the counters are 0. tools/inception_fixtures.py runs
+    pytorch-fid on this state, and tests/test_inception_parity.py checks the port against it.
+    """
+    shapes = _torch_shapes()
+    shapes.update({"fc.weight": (1008, FEATURES), "fc.bias": (1008,)})
+    rng = np.random.default_rng(seed)
+    state = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("num_batches_tracked"):
+            state[name] = np.zeros(shape, np.int64)
+            continue
+        if name.endswith("conv.weight"):
+            value = rng.standard_normal(shape) * np.sqrt(2.0 / np.prod(shape[1:]))
+        elif name.endswith("bn.weight"):
+            value = rng.uniform(0.5, 1.5, shape)
+        elif name.endswith(("bn.bias", "running_mean")):
+            value = rng.standard_normal(shape) * 0.2
+        elif name.endswith("running_var"):
+            value = rng.uniform(0.5, 2.0, shape)
+        else:  # fc.weight, fc.bias
+            value = rng.standard_normal(shape) * 0.01
+        state[name] = value.astype(np.float32)
+    return state
+
+
+def _torch_shapes() -> dict[str, tuple[int, ...]]:
+    """pytorch-fid's names and shapes for the port's tensors, and its batch-norm counters."""
+    shapes = {}
+    for key, leaf in _flatten(variable_shapes()).items():
+        name = _torch_name(key)
+        shape = tuple(leaf.shape)
+        shapes[name] = tuple(shape[i] for i in (3, 2, 0, 1)) if key[-1] == "kernel" else shape
+        if name.endswith(".running_mean"):
+            shapes[name.removesuffix("running_mean") + "num_batches_tracked"] = ()
+    return shapes
+
+
 def _torch_name(key: tuple[str, ...]) -> str:
     kind = {"kernel": "weight", "scale": "weight", "bias": "bias", "mean": "running_mean",
             "var": "running_var"}[key[-1]]
