@@ -18,7 +18,9 @@ win), and the ratio is taken against the faster.
 It also measures the machine's memory bandwidth (jitted float32 sums over a --bandwidth-mb array:
 to one scalar, and per row of a [1024, -1] view, which XLA spreads over the cores; the larger counts)
 and the batch-1 bound: bandwidth / bytes of all weights, as every weight is read once per token.
-Dew's prefill is timed apart (a call with max_new_tokens=1), so the per-token cost of the decode
+It also times the model's matrix products alone (`matmul_floor`: every weight matrix once per
+token in one jitted loop, nothing else, interleaved with the other calls), the ceiling XLA:CPU's
+matrix products set for a decoder on this backend, and reports Dew's rate over it. Dew's prefill is timed apart (a call with max_new_tokens=1), so the per-token cost of the decode
 loop is reported beside the whole-call figure. Prints one JSON line per batch size.
 
 Needs torch, transformers and Dew in one environment:
@@ -97,6 +99,47 @@ def memory_bandwidth(megabytes: int, repeats: int = 7) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+def matmul_floor(params, batch: int, new: int):
+    """A timed call of the model's matrix products alone: XLA:CPU's own ceiling for this decode.
+
+    One jitted loop of `new` steps over `batch` rows, each step multiplying the activations by
+    every weight matrix of the model once (per layer q, k, v, o, gate, up, down, then the tied
+    output head, all on [batch, 1, width] rows as the decoder has them), with no attention, norms
+    or sampling. Returns a function that runs it once (compiled and warm) and returns the seconds.
+    """
+    layers = sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
+    kernels = [
+        {name: params[layer][part][name]["kernel"] for part, names in
+         (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+         for name in names}
+        for layer in layers
+    ]
+    embedding = params["embed_tokens"]["embedding"]
+    width = embedding.shape[1]
+
+    @jax.jit
+    def run(x, kernels, embedding):
+        def step(_, x):
+            for w in kernels:
+                q, k, v = x @ w["q_proj"], x @ w["k_proj"], x @ w["v_proj"]
+                attended = q + jnp.tile(k + v, q.shape[-1] // k.shape[-1])  # stands in for attention
+                x = x + attended @ w["o_proj"]
+                x = x + (jax.nn.silu(x @ w["gate_proj"]) * (x @ w["up_proj"])) @ w["down_proj"]
+            logits = x @ embedding.T
+            return x + 1e-3 * logits[..., :width]  # the next step depends on this one's head
+        return jax.lax.fori_loop(0, new, step, x)
+
+    x = jnp.ones((batch, 1, width), jnp.float32)
+    run(x, kernels, embedding).block_until_ready()
+
+    def call() -> float:
+        start = time.perf_counter()
+        run(x, kernels, embedding).block_until_ready()
+        return time.perf_counter() - start
+
+    return call
+
+
 def first_parting(a: np.ndarray, b: np.ndarray) -> int | None:
     differ = np.nonzero(a != b)[0]
     return None if differ.size == 0 else int(differ[0])
@@ -154,7 +197,8 @@ def main() -> None:
         _, dew_tokens = dew_call(rows, new)  # compile
         dew_call(rows, 1)  # compile the prefill-only call
         _, hf_tokens = hf_call(rows)  # warm-up
-        dew_times, prefill_times, hf_times = [], [], {n: [] for n in thread_counts}
+        floor_call = matmul_floor(variables["params"], batch, new)
+        dew_times, prefill_times, floor_times, hf_times = [], [], [], {n: [] for n in thread_counts}
         for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both
             for n in thread_counts:
                 torch.set_num_threads(n)
@@ -162,7 +206,9 @@ def main() -> None:
             torch.set_num_threads(threads)
             dew_times.append(dew_call(rows, new)[0])
             prefill_times.append(dew_call(rows, 1)[0])
+            floor_times.append(floor_call())
         dew_s, prefill_s = statistics.median(dew_times), statistics.median(prefill_times)
+        floor = batch * new / statistics.median(floor_times)
         hf_rate = {n: batch * new / statistics.median(t) for n, t in hf_times.items()}
         best = max(hf_rate, key=hf_rate.get)
         dew_rate = batch * new / dew_s
@@ -184,6 +230,8 @@ def main() -> None:
             "transformers_tokens_per_s_by_threads": {str(n): round(r, 1) for n, r in hf_rate.items()},
             "dew_over_transformers": round(dew_rate / hf_rate[best], 3),
             "dew_over_transformers_at_core_count": round(dew_rate / hf_rate[threads], 3),
+            "xla_matmul_floor_tokens_per_s": round(floor, 1),
+            "dew_over_xla_matmul_floor": round(dew_rate / floor, 3),
             "dew_prefill_ms": round(prefill_s * 1e3, 1),
             "dew_decode_loop_tokens_per_s": round(loop_rate, 1),
             "rows_identical": f"{len(partings) - len(parted)}/{len(partings)}",
