@@ -194,36 +194,27 @@ def test_random_conv_features_are_fixed_by_the_seed():
 @pytest.fixture(scope="module")
 def inception_state() -> dict[str, np.ndarray]:
     """Random weights in pytorch-fid's names and layouts (the shapes come from the Flax port)."""
-    import jax
+    from dew.eval.inception import random_torch_state
 
-    from dew.eval.inception import torch_state_from_variables, variable_shapes
+    return random_torch_state(0)
 
-    rng = np.random.default_rng(0)
 
-    def fill(path, leaf):
-        name = path[-1].key
-        if name == "kernel":
-            fan_in = np.prod(leaf.shape[:-1])
-            return (rng.standard_normal(leaf.shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
-        if name == "var":
-            return rng.uniform(0.5, 1.5, leaf.shape).astype(np.float32)
-        if name == "scale":
-            return np.ones(leaf.shape, np.float32)
-        return rng.normal(0, 0.1, leaf.shape).astype(np.float32)
-
-    return torch_state_from_variables(jax.tree_util.tree_map_with_path(fill, variable_shapes()))
+def _port_tensors(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tensors the port reads: the file's minus the classifier and the batch-norm counters."""
+    return {k: v for k, v in state.items() if not k.startswith("fc.") and not k.endswith("num_batches_tracked")}
 
 
 def test_inception_port_has_pytorch_fids_tensors_and_gives_2048_features(tmp_path, inception_state):
     state = dict(inception_state)
-    # pytorch-fid's network: 94 conv+bn units (5 tensors each) and 21,785,568 weights outside fc
-    assert len(state) == 94 * 5
-    learned = sum(v.size for k, v in state.items() if not k.endswith(("running_mean", "running_var")))
+    # pytorch-fid's network: 94 conv+bn units (5 tensors each) and 21,785,568 weights outside fc;
+    # the classifier ("fc.*") and the batch-norm counters are in its file too, and ignored
+    port = _port_tensors(state)
+    assert len(port) == 94 * 5 and len(state) == 94 * 6 + 2
+    learned = sum(v.size for k, v in port.items() if not k.endswith(("running_mean", "running_var")))
     assert learned == 21_785_568
     assert state["Conv2d_1a_3x3.conv.weight"].shape == (32, 3, 3, 3)
     assert state["Mixed_7c.branch3x3_2b.conv.weight"].shape == (384, 384, 3, 1)
-    state["fc.weight"] = np.zeros((1008, 2048), np.float32)  # the classifier is ignored
-    state["Conv2d_1a_3x3.bn.num_batches_tracked"] = np.asarray(1)
+    assert state["fc.weight"].shape == (1008, 2048)
     np.savez(tmp_path / "inception.npz", **state)
     features = InceptionFeatures(tmp_path / "inception.npz", size=75)
     images = np.random.default_rng(0).integers(0, 256, (2, 20, 20, 3), dtype=np.uint8)
@@ -253,8 +244,9 @@ def test_inception_weights_errors_name_the_file_and_the_tensor(tmp_path, incepti
     with pytest.raises(ValueError, match="'Mixed_5b.branch1x1.weight', which is not a tensor"):
         variables_from_torch({"Mixed_5b.branch1x1.weight": np.zeros(1)}, "odd.npz")
     round_trip = torch_state_from_variables(variables_from_torch(inception_state))
-    assert sorted(round_trip) == sorted(inception_state)
-    for name, value in inception_state.items():
+    port = _port_tensors(inception_state)
+    assert sorted(round_trip) == sorted(port)
+    for name, value in port.items():
         np.testing.assert_array_equal(round_trip[name], value)
 
 
