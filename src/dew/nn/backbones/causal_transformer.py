@@ -10,7 +10,8 @@ Parameter names follow Hugging Face's Llama layout (``layers_3/self_attn/q_proj/
 ``model.layers.3.self_attn.q_proj.weight``), with 2-D ``[in, out]`` kernels, so a checkpoint's
 weight table is a rename plus a transpose. Every parameter carries logical axis names for
 sharding. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype; logits come back in
-float32.
+float32. `decode_layout` rearranges a copy of the variables for one-token decoding (fused q/k/v and
+gate/up, transposed o/down kernels); the modules read either layout.
 """
 
 from __future__ import annotations
@@ -84,6 +85,62 @@ def _dense(features, axes, name, *, use_bias=False, std=INIT_STD, dtype, param_d
     )
 
 
+def _project(module: nn.Module, x: jax.Array, features: int, axes, name: str, **dense) -> jax.Array:
+    """The Dense projection `name` of `module`, in either weight layout.
+
+    Training variables hold ``name/kernel [in, out]`` (an nn.Dense). Variables converted by
+    `decode_layout` may hold ``name/kernel_t [out, in]`` instead, which XLA:CPU's matrix-vector
+    products read faster for square and narrowing projections; the result is the same.
+    """
+    params = module.get_variable("params", name) if module.has_variable("params", name) else None
+    if params is None or "kernel_t" not in params:
+        return _dense(features, axes, name, **dense)(x)
+    dtype = dense["dtype"]
+    y = jnp.einsum("...i,oi->...o", x.astype(dtype), params["kernel_t"].astype(dtype))
+    if "bias" in params:
+        y = y + params["bias"].astype(dtype)
+    return y
+
+
+def decode_layout(variables: Any) -> Any:
+    """CausalTransformer variables rearranged for fast one-token decoding; same function.
+
+    Per layer (stacked ``scan_layers`` parameters too): q/k/v projections become one
+    ``self_attn/qkv_proj`` ([in, q + k + v]), gate/up become one ``mlp/gate_up_proj``
+    ([in, 2 * hidden]), and ``o_proj``/``down_proj`` keep their kernel transposed as ``kernel_t``
+    ([out, in]). Fewer, wider matrix-vector products and the transposed narrowing ones stream
+    the weights faster on XLA:CPU (see benchmarks/README.md). The model reads either layout, so
+    ``model.apply(decode_layout(v), ...) == model.apply(v, ...)`` up to float rounding. This is a
+    view for inference: train, save and export the original variables.
+    """
+    def concat(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+        fused = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=-1)}
+        if "bias" in parts[0]:
+            fused["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=-1)
+        return fused
+
+    def transposed(p: Mapping[str, Any]) -> dict[str, Any]:
+        out = {"kernel_t": jnp.swapaxes(p["kernel"], -1, -2)}
+        if "bias" in p:
+            out["bias"] = p["bias"]
+        return out
+
+    def convert(tree: Any) -> Any:
+        if not isinstance(tree, Mapping):
+            return tree
+        tree = {key: convert(value) for key, value in tree.items()}
+        if {"q_proj", "k_proj", "v_proj", "o_proj"} <= tree.keys() and "kernel" in tree["o_proj"]:
+            tree["qkv_proj"] = concat([tree.pop("q_proj"), tree.pop("k_proj"), tree.pop("v_proj")])
+            tree["o_proj"] = transposed(tree["o_proj"])
+        if {"gate_proj", "up_proj", "down_proj"} <= tree.keys() and "kernel" in tree["down_proj"]:
+            tree["gate_up_proj"] = concat([tree.pop("gate_proj"), tree.pop("up_proj")])
+            tree["down_proj"] = transposed(tree["down_proj"])
+        return tree
+
+    variables = nn.unbox(variables)
+    return {**variables, "params": convert(variables["params"])}
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * scale, computed in float32 like HF's LlamaRMSNorm."""
 
@@ -126,9 +183,13 @@ class SelfAttention(nn.Module):
         batch, length, emb = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        q = _dense(heads * head_dim, ("embed", "heads"), "q_proj", **dense)(x)
-        k = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
-        v = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
+        if self.has_variable("params", "qkv_proj"):  # decode_layout: one fused projection
+            qkv = _dense((heads + 2 * kv_heads) * head_dim, ("embed", "heads"), "qkv_proj", **dense)(x)
+            q, k, v = jnp.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+        else:
+            q = _dense(heads * head_dim, ("embed", "heads"), "q_proj", **dense)(x)
+            k = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
+            v = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
         q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
         q = q.reshape(batch, length, heads, head_dim)
         k = k.reshape(batch, length, kv_heads, head_dim)
@@ -164,7 +225,7 @@ class SelfAttention(nn.Module):
 
         out = out.reshape(batch, length, heads * head_dim)
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
-        out = _dense(emb, ("heads", "embed"), "o_proj", std=out_std, **dense)(out)
+        out = _project(self, out, emb, ("heads", "embed"), "o_proj", std=out_std, **dense)
         return out, new_cache
 
 
@@ -193,10 +254,14 @@ class MLP(nn.Module):
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # 2-D matmuls: XLA's CPU backward then needs no transposes
-        gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
-        up = _dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
+        if self.has_variable("params", "gate_up_proj"):  # decode_layout: one fused projection
+            gate_up = _dense(2 * self.features, ("embed", "mlp"), "gate_up_proj", **dense)(x)
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+        else:
+            gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
+            up = _dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)
-        out = _dense(shape[-1], ("mlp", "embed"), "down_proj", std=out_std, **dense)(nn.silu(gate) * up)
+        out = _project(self, nn.silu(gate) * up, shape[-1], ("mlp", "embed"), "down_proj", std=out_std, **dense)
         return out.reshape(shape)
 
 
@@ -348,6 +413,10 @@ class CausalTransformer(nn.Module):
             kv_heads=self.kv_heads, head_dim=self.head_features,
             dtype=self.dtype if dtype is None else dtype, stacked=self.scan_layers,
         )
+
+    def decode_variables(self, variables: Any) -> Any:
+        """`variables` in the layout one-token decoding reads fastest (see `decode_layout`)."""
+        return decode_layout(variables)
 
     # --- forward ---------------------------------------------------------------------------------
 
