@@ -49,6 +49,7 @@ import numpy as np
 
 from dew.interop import PretrainedDecoder
 from dew.sampling import Sampling, generate
+from dew.sampling.text import decoding_variables
 
 CONFIG = dict(
     vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -103,38 +104,51 @@ def matmul_floor(params, batch: int, new: int):
     """A timed call of the model's matrix products alone: XLA:CPU's own ceiling for this decode.
 
     One jitted loop of `new` steps over `batch` rows, each step multiplying the activations by
-    every weight matrix of the model once (per layer q, k, v, o, gate, up, down, then the tied
-    output head, all on [batch, 1, width] rows as the decoder has them), with no attention, norms
-    or sampling. Returns a function that runs it once (compiled and warm) and returns the seconds.
+    every weight matrix of the model once (per layer the attention's q/k/v and o products and the
+    MLP's gate/up and down products, then the tied output head, all on [batch, 1, width] rows as
+    the decoder has them), with no attention, norms or sampling. `params` are in the layout Dew
+    decodes this batch from (`dew.sampling.text.decoding_variables`: fused q/k/v and gate/up and
+    [out, in] o/down kernels for one row, the training layout otherwise), so the floor counts the
+    same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
     """
     layers = sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
-    kernels = [
-        {name: params[layer][part][name]["kernel"] for part, names in
-         (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
-         for name in names}
-        for layer in layers
-    ]
+    blocks = [{"attn": params[layer]["self_attn"], "mlp": params[layer]["mlp"]} for layer in layers]
     embedding = params["embed_tokens"]["embedding"]
     width = embedding.shape[1]
 
+    def product(x, p):  # a projection in either layout ([in, out] kernel or [out, in] kernel_t)
+        return jnp.einsum("...i,oi->...o", x, p["kernel_t"]) if "kernel_t" in p else x @ p["kernel"]
+
     @jax.jit
-    def run(x, kernels, embedding):
+    def run(x, blocks, embedding):
         def step(_, x):
-            for w in kernels:
-                q, k, v = x @ w["q_proj"], x @ w["k_proj"], x @ w["v_proj"]
-                attended = q + jnp.tile(k + v, q.shape[-1] // k.shape[-1])  # stands in for attention
-                x = x + attended @ w["o_proj"]
-                x = x + (jax.nn.silu(x @ w["gate_proj"]) * (x @ w["up_proj"])) @ w["down_proj"]
+            for b in blocks:
+                attn, mlp = b["attn"], b["mlp"]
+                if "qkv_proj" in attn:
+                    o = attn["o_proj"]
+                    q_features = o["kernel_t"].shape[1] if "kernel_t" in o else o["kernel"].shape[0]
+                    qkv = product(x, attn["qkv_proj"])
+                    q, kv = qkv[..., :q_features], qkv[..., q_features:]
+                else:
+                    q = product(x, attn["q_proj"])
+                    kv = jnp.concatenate([product(x, attn["k_proj"]), product(x, attn["v_proj"])], -1)
+                attended = q + jnp.tile(kv, q.shape[-1] // kv.shape[-1])  # stands in for attention
+                x = x + product(attended, attn["o_proj"])
+                if "gate_up_proj" in mlp:
+                    gate, up = jnp.split(product(x, mlp["gate_up_proj"]), 2, axis=-1)
+                else:
+                    gate, up = product(x, mlp["gate_proj"]), product(x, mlp["up_proj"])
+                x = x + product(jax.nn.silu(gate) * up, mlp["down_proj"])
             logits = x @ embedding.T
             return x + 1e-3 * logits[..., :width]  # the next step depends on this one's head
         return jax.lax.fori_loop(0, new, step, x)
 
     x = jnp.ones((batch, 1, width), jnp.float32)
-    run(x, kernels, embedding).block_until_ready()
+    run(x, blocks, embedding).block_until_ready()
 
     def call() -> float:
         start = time.perf_counter()
-        run(x, kernels, embedding).block_until_ready()
+        run(x, blocks, embedding).block_until_ready()
         return time.perf_counter() - start
 
     return call
@@ -197,7 +211,7 @@ def main() -> None:
         _, dew_tokens = dew_call(rows, new)  # compile
         dew_call(rows, 1)  # compile the prefill-only call
         _, hf_tokens = hf_call(rows)  # warm-up
-        floor_call = matmul_floor(variables["params"], batch, new)
+        floor_call = matmul_floor(decoding_variables(model, variables, batch)["params"], batch, new)
         dew_times, prefill_times, floor_times, hf_times = [], [], [], {n: [] for n in thread_counts}
         for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both
             for n in thread_counts:
