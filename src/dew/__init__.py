@@ -1,7 +1,8 @@
 """Dew: one JAX trainer for language models, diffusion models and JEPA encoders.
 
 Importing ``dew`` is cheap: every public name is resolved on first use, so ``import dew`` pulls in
-no optional package and initializes no JAX backend.
+no optional package and initializes no JAX backend. It does set glibc's malloc to keep XLA:CPU's
+per-step temporaries mapped (`dew.host_memory`; ``DEW_HOST_MEMORY=system`` opts out).
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dew._lazy import lazy_getattr
+from dew.host_memory import reuse_freed_memory
 
 __version__ = "0.1.0"
+
+reuse_freed_memory()  # before JAX starts its worker threads; see dew/host_memory.py
 
 # public name -> module that defines it
 _EXPORTS = {
