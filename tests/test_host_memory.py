@@ -1,7 +1,6 @@
 """dew.host_memory: XLA:CPU's per-execution temporaries stop being page-faulted in every call."""
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 import dew.host_memory as host_memory
 
 glibc_linux = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    not host_memory.on_glibc_linux(),
     reason="the setting applies to glibc's malloc on Linux only",
 )
 

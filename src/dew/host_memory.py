@@ -22,9 +22,7 @@ Other C libraries and systems are left as they are.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-import platform
 import sys
 
 # mallopt parameters, from glibc's <malloc.h>
@@ -38,6 +36,16 @@ ENV = "DEW_HOST_MEMORY"
 applied = False  # whether this process runs with the settings above
 
 
+def on_glibc_linux() -> bool:
+    """Whether this process runs on Linux with glibc (the only place the settings apply)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError):  # a C library without the glibc extension
+        return False
+
+
 def reuse_freed_memory() -> bool:
     """Apply the settings above where they apply; returns whether they are in effect."""
     global applied
@@ -49,12 +57,9 @@ def reuse_freed_memory() -> bool:
             f"{ENV}={os.environ[ENV]!r} is not a known setting; use 'reuse' (the default: keep "
             "XLA's per-step temporaries mapped) or 'system' (glibc's own malloc settings)"
         )
-    if choice == "system" or not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if choice == "system" or not on_glibc_linux():
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
+    libc = ctypes.CDLL(None)  # the process's own symbols, glibc's mallopt among them
     settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     applied = all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
     return applied
