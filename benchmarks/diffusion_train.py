@@ -68,15 +68,12 @@ from dew.diffusion.presets import EDM
 from dew.nn.backbones import SimpleDiT
 from dew.objectives.diffusion import DiffusionObjective
 from dew.sampling import Heun, sample
+from common import EagerLoop, cores
 
 SIZE, CHANNELS, PATCH, WIDTH, LAYERS, HEADS, MLP_RATIO = 32, 3, 4, 128, 4, 4, 4.0
 LR, BETAS, EPS, WEIGHT_DECAY, EMA = 3e-4, (0.9, 0.999), 1e-8, 0.01, 0.999
 P_MEAN, P_STD, SIGMA_DATA, SIGMA_MIN, SIGMA_MAX = -1.2, 1.2, 0.5, 0.002, 80.0
 FREQ_FEATURES, NOISE_SCALE, LN_EPS = 256, 1000.0, 1e-6
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def make_images(count: int, seed: int = 0) -> np.ndarray:
@@ -270,7 +267,7 @@ def edm_scalings(sigma):
     return total.rsqrt(), SIGMA_DATA**2 / total, sigma * SIGMA_DATA * total.rsqrt(), sigma.log() / 4
 
 
-class TorchSide:
+class TorchSide(EagerLoop):
     def __init__(self, torch_batches):
         import torch
 
@@ -306,12 +303,6 @@ class TorchSide:
         with torch.no_grad():
             torch._foreach_lerp_(self.ema, list(self.model.parameters()), 1.0 - EMA)
         return loss.detach()
-
-    def run(self, steps: int) -> tuple[float, list[float]]:
-        start = time.perf_counter()
-        losses = [self.step(b) for b in itertools.islice(itertools.cycle(self.batches), steps)]
-        seconds = time.perf_counter() - start
-        return seconds, [float(x) for x in losses]
 
 
 # --- sampling -----------------------------------------------------------------------------------

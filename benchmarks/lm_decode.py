@@ -50,6 +50,7 @@ import numpy as np
 from dew.interop import PretrainedDecoder
 from dew.sampling import Sampling, generate
 from dew.sampling.text import decoding_variables
+from common import cores
 
 CONFIG = dict(
     vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -58,10 +59,6 @@ CONFIG = dict(
     bos_token_id=None, eos_token_id=None, pad_token_id=None,
 )
 PROMPT_LEN = 16
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def build_checkpoint(directory: str):

@@ -55,6 +55,7 @@ import optax
 from dew import Dataset, Trainer
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.lm import LMObjective
+from common import EagerLoop, cores
 
 DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
 
@@ -62,10 +63,6 @@ DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "ti
 VOCAB, WIDTH, LAYERS, HEADS, MLP, CONTEXT, BATCH = 256, 128, 4, 4, 512, 64, 12
 LR, BETAS, EPS, WEIGHT_DECAY, NORM_EPS, ROPE_THETA = 1e-3, (0.9, 0.99), 1e-8, 0.1, 1e-6, 10000.0
 LAST = 20  # losses averaged at the end of the loss run
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def load_corpus(path: str, synthetic: bool) -> tuple[np.ndarray, str]:
@@ -116,7 +113,7 @@ def dew_fit(trainer: Trainer, batches, steps: int) -> float:
 # --- transformers + torch -----------------------------------------------------------------------
 
 
-class TorchSide:
+class TorchSide(EagerLoop):
     def __init__(self, torch_batches):
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -152,12 +149,6 @@ class TorchSide:
         loss.backward()
         self.optimizer.step()
         return loss.detach()
-
-    def run(self, steps: int) -> tuple[float, list[float]]:
-        start = time.perf_counter()
-        losses = [self.step(b) for b in itertools.islice(itertools.cycle(self.batches), steps)]
-        seconds = time.perf_counter() - start
-        return seconds, [float(x) for x in losses]
 
 
 # --- the machine's matmul ceiling ---------------------------------------------------------------
