@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn.attention import dot_product_attention, resolve_attention_impl
+from dew.nn.attention import cache_attention, dot_product_attention, resolve_attention_impl
 
 
 def _qkv(seed=0, batch=2, length=10, heads=4, kv_heads=2, head_dim=8, kv_length=None):
@@ -118,6 +118,41 @@ def test_cache_style_call_respects_positions_and_lengths(impl):
     qp, ln = np.asarray(q_positions), np.asarray(lengths)
     want = _naive(q, k, v, lambda b, i, j: qp[b, i] - 3 < j <= qp[b, i] and j < ln[b])
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def _cache_layout(k, v):
+    """[B, S, K, H] keys and values in a KVCache's layout: keys [B*K, H, S], values [B*K, S, H]."""
+    batch, slots, kv_heads, head_dim = k.shape
+    keys = jnp.transpose(k, (0, 2, 3, 1)).reshape(batch * kv_heads, head_dim, slots)
+    values = jnp.transpose(v, (0, 2, 1, 3)).reshape(batch * kv_heads, slots, head_dim)
+    return keys, values
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cache_attention_masks_by_the_position_each_slot_holds(window):
+    # slots out of order, two empty (-1) and a padding slot past row 1's queries: each query sees
+    # the slots holding positions it may see (causal, window), wherever they lie
+    q, _, _ = _qkv(seed=8, length=2)
+    _, k, v = _qkv(seed=9, length=10)
+    slot_positions = np.array([[0, 1, 2, 3, 6, 4, -1, 5, -1, -1], [0, 1, 5, -1, 2, 3, 4, -1, 6, -1]])
+    q_positions = np.array([[5, 6], [3, 4]])
+    keys, values = _cache_layout(k, v)
+    got = cache_attention(q, keys, values, q_positions=jnp.asarray(q_positions),
+                          kv_positions=jnp.asarray(slot_positions), causal=True, window=window)
+
+    def allowed(b, i, j):
+        p, qp = slot_positions[b, j], q_positions[b, i]
+        return p >= 0 and p <= qp and (window is None or qp - p < window)
+
+    want = _naive(q, k, v, allowed)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    # negative control: the values in the keys' layout (a layout mix-up) are caught
+    wrong = cache_attention(q, keys, jnp.swapaxes(keys, 1, 2), q_positions=jnp.asarray(q_positions),
+                            kv_positions=jnp.asarray(slot_positions), causal=True, window=window)
+    assert np.abs(np.asarray(wrong) - want).max() > 1e-2
+    with pytest.raises(ValueError, match=r"keys \[batch \* kv_heads, 8, slots\]"):
+        cache_attention(q, values, values, q_positions=jnp.asarray(q_positions),
+                        kv_positions=jnp.asarray(slot_positions))
 
 
 def test_queries_default_to_the_last_keys_when_shorter():

@@ -112,13 +112,83 @@ def test_the_decode_layout_computes_the_same_function(scan_layers):
     assert np.abs(np.asarray(_run(model, broken, tokens)) - full).max() > 1e-3
 
 
-def test_the_cache_holds_per_layer_keys_and_values_per_row():
+def test_the_cache_holds_per_layer_keys_and_values_in_shared_slots():
     model = _model()
     cache = model.init_cache(3, 10)
     assert len(cache.k) == len(cache.v) == 2
-    assert cache.k[0].shape == (3, 10, 2, 8) and cache.lengths.shape == (3,)
+    # keys [batch * kv_heads, head_dim, slots], values [batch * kv_heads, slots, head_dim]: the
+    # operand layouts of the attention products
+    assert cache.k[0].shape == (3 * 2, 8, 10) and cache.v[0].shape == (3 * 2, 10, 8)
+    assert cache.kv_heads == 2 and cache.max_len == 10
+    assert cache.positions.shape == (3, 10) and (np.asarray(cache.positions) == -1).all()
+    assert cache.lengths.shape == (3,) and int(cache.index) == 0
     scanned = _model(scan_layers=True).init_cache(3, 10)
-    assert scanned.k.shape == (2, 3, 10, 2, 8)
+    assert scanned.k.shape == (2, 3 * 2, 8, 10) and scanned.v.shape == (2, 3 * 2, 10, 8)
+    assert scanned.kv_heads == 2
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_rows_of_different_lengths_decode_from_shared_slots(base, scan_layers):
+    """A padded prefill truncated to each row's length, then one shared slot per step.
+
+    Row 0's prompt has 7 tokens and row 1's 4, both prefilled padded to 7; after `truncate` each
+    row continues at its own position while both write the same slots. Every step must match a
+    full forward pass over that row's real tokens alone.
+    """
+    _, variables = base
+    model = _model(scan_layers=scan_layers, layer_types=("sliding_attention", "full_attention"),
+                   kinds={"sliding_attention": LayerKind(window=3)})
+    if scan_layers:
+        variables = {"params": _restack(variables["params"], 2)}
+    tokens = _tokens(length=12)
+    lengths = np.array([7, 4], np.int32)
+    cache = model.init_cache(2, 16)
+    padded = tokens[:, :7].copy()
+    padded[1, 4:] = 0  # padding after the short prompt
+    _, cache = _run(model, variables, padded, cache=cache)
+    cache = cache.truncate(lengths)
+    np.testing.assert_array_equal(np.asarray(cache.positions)[:, :8],
+                                  [[0, 1, 2, 3, 4, 5, 6, -1], [0, 1, 2, 3, -1, -1, -1, -1]])
+    for step in range(3):
+        fed = np.stack([tokens[0, 7 + step], tokens[1, 4 + step]])[:, None]
+        logits, cache = _run(model, variables, fed, cache=cache)
+        assert int(cache.index) == 8 + step  # one shared slot per step
+        for row, length in enumerate(lengths):
+            alone = tokens[row:row + 1, :length + step + 1]
+            full = np.asarray(_run(model, variables, alone))[0, -1]
+            np.testing.assert_allclose(np.asarray(logits)[row, 0], full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + 3)
+
+    # negative control: without truncating, the short row attends to its padding and is caught
+    stale = model.init_cache(2, 16)
+    _, stale = _run(model, variables, padded, cache=stale)
+    stale = stale.replace(lengths=jnp.asarray(lengths))
+    fed = np.stack([tokens[0, 7], tokens[1, 4]])[:, None]
+    logits, _ = _run(model, variables, fed, cache=stale)
+    full = np.asarray(_run(model, variables, tokens[1:, :5]))[0, -1]
+    assert np.abs(np.asarray(logits)[1, 0] - full).max() > 1e-3
+
+
+def test_a_cache_that_cannot_take_the_tokens_is_refused(base):
+    model, variables = base
+    cache = model.init_cache(2, 8)
+    _, cache = _run(model, variables, _tokens(length=6), cache=cache)
+    with pytest.raises(ValueError, match="2 free slots of 8 and cannot take 3 more tokens"):
+        model.apply(variables, _tokens(length=3), cache=cache)
+    with pytest.raises(ValueError, match="holds 2 rows but the tokens have 3"):
+        model.apply(variables, _tokens(batch=3, length=1), cache=cache)
+
+
+def test_repeating_a_cache_repeats_each_row_in_place(base):
+    model, variables = base
+    cache = model.init_cache(2, 16)
+    tokens = _tokens()
+    _, cache = _run(model, variables, tokens[:, :5], cache=cache)
+    repeated = cache.repeat(3)
+    assert repeated.k[0].shape == (2 * 3 * 2, 8, 16) and repeated.batch_size == 6
+    logits, _ = _run(model, variables, np.repeat(tokens[:, 5:6], 3, axis=0), cache=repeated)
+    full = np.asarray(_run(model, variables, tokens[:, :6]))[:, -1]
+    np.testing.assert_allclose(np.asarray(logits)[:, 0], np.repeat(full, 3, axis=0), atol=1e-5, rtol=1e-5)
 
 
 def test_two_window_3_layers_move_exactly_the_receptive_field(base):

@@ -269,3 +269,58 @@ def dot_product_attention(
     return jax.nn.dot_product_attention(
         q, k, v, mask=full_mask, scale=scale, implementation=kernel
     )
+
+
+def cache_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    causal: bool = True,
+    window: int | jax.Array | None = None,
+    scale: float | None = None,
+    precision: Any = None,
+) -> jax.Array:
+    """Attention of ``q [B, T, N, H]`` over one layer of a `KVCache`; returns ``[B, T, N, H]``.
+
+    The cache is in its own layout: keys ``k_cache [B * K, H, S]`` and values
+    ``v_cache [B * K, S, H]`` (rows batch-major, then key/value head), with ``kv_positions [B, S]``
+    the position each slot holds, negative where the slot is empty. The rules of
+    `dot_product_attention` decide what a query sees (causal, window), by position rather than by
+    slot. Both products read the cache where it lies, and scores and softmax are accumulated in
+    float32 (or wider): the reference computation in the cache's layout, used whatever kernel the
+    model names, since no fused kernel decodes from this layout.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    rows, slots = v_cache.shape[0], v_cache.shape[1]
+    if rows % batch or k_cache.shape != (rows, head_dim, slots) or v_cache.shape[2] != head_dim:
+        raise ValueError(
+            f"for q {q.shape} the cache must hold keys [batch * kv_heads, {head_dim}, slots] and values "
+            f"[batch * kv_heads, slots, {head_dim}]; got keys {k_cache.shape}, values {v_cache.shape}"
+        )
+    kv_heads = rows // batch
+    if heads % kv_heads:
+        raise ValueError(f"num_heads ({heads}) must be a multiple of the cache's kv_heads ({kv_heads})")
+    groups = heads // kv_heads
+    scale = float(1.0 / np.sqrt(head_dim)) if scale is None else float(scale)
+    accumulate = jnp.promote_types(q.dtype, jnp.float32)
+
+    # [B, T, K, G, H] -> [B * K, G * T, H]: each cache row's queries, next to its keys
+    qr = q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
+    qr = qr.reshape(rows, groups * q_len, head_dim).astype(k_cache.dtype)
+    logits = jnp.einsum(
+        "nqh,nhs->nqs", qr, k_cache, precision=precision, preferred_element_type=accumulate
+    ) * jnp.asarray(scale, accumulate)
+    mask = attention_mask(q_positions, kv_positions, causal=causal, window=window)  # [B, 1, T, S]
+    mask = mask & (jnp.atleast_2d(kv_positions) >= 0)[:, None, None, :]
+    mask = jnp.broadcast_to(mask[:, None], (batch, kv_heads, groups, q_len, slots))
+    logits = jnp.where(mask.reshape(rows, groups * q_len, slots), logits, jnp.finfo(accumulate).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum(
+        "nqs,nsh->nqh", weights.astype(v_cache.dtype), v_cache, precision=precision,
+        preferred_element_type=accumulate,
+    )
+    out = out.reshape(batch, kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4)
+    return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)

@@ -2,13 +2,21 @@
 
 The cache is an ordinary pytree that a decoder takes as an argument and returns updated, so a
 generation loop can carry it through `jax.lax.while_loop` or `jax.lax.scan` (it is not a Flax
-mutable collection). Slot ``s`` of a row holds the key and value of the token at position ``s``;
-``lengths[b]`` counts the positions of row b that hold real tokens, and the next token of that
-row goes to slot ``lengths[b]``.
+mutable collection).
 
-Layout, per layer: ``k`` and ``v`` are ``[batch, max_len, kv_heads, head_dim]``. An unscanned
-decoder keeps a tuple of them, one per layer; a decoder built with ``scan_layers`` keeps one
-stacked array ``[num_layers, batch, max_len, kv_heads, head_dim]`` so the scan slices it.
+Slots are shared by all rows: a call that feeds T tokens per row writes them to the same T slots
+of every row, starting at ``index``, whatever their positions. Each slot records the position of
+the token it holds (``positions[b, s]``, -1 for an empty slot), so rows of different lengths share
+one write and attention masks by position: a query sees the slots whose position is known and
+(causal) not after its own. Writing one slot for every row is a single in-place update, where a
+slot per row would be a scatter that XLA:CPU expands into copies of the whole cache.
+
+Layout, per layer: keys ``k`` are ``[batch * kv_heads, head_dim, max_len]`` and values ``v``
+``[batch * kv_heads, max_len, head_dim]`` (rows ordered batch-major, then key/value head): the
+operand layouts of the two attention products, q k^T and p v, so reading the cache needs no
+transpose and writing it needs no copy. An unscanned decoder keeps a tuple of them, one per
+layer; a decoder built with ``scan_layers`` keeps stacked arrays with a leading ``num_layers``
+axis so the scan slices them.
 """
 
 from __future__ import annotations
@@ -19,19 +27,26 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+EMPTY = -1  # the position recorded for a slot that holds no token
+
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values plus each row's filled length.
+    """Per-layer keys and values, the position each slot holds, and where the next write goes.
 
     Attributes:
-      k, v: a tuple of ``[B, S, KV, D]`` arrays (one per layer), or one ``[L, B, S, KV, D]`` array.
-      lengths: ``[B]`` int32, the number of positions written in each row.
+      k: keys, a tuple of ``[B * KV, D, S]`` arrays (one per layer) or one ``[L, B * KV, D, S]``.
+      v: values, a tuple of ``[B * KV, S, D]`` arrays or one ``[L, B * KV, S, D]``.
+      positions: ``[B, S]`` int32, the position of the token in each slot (-1 where empty).
+      lengths: ``[B]`` int32, each row's next position (one past the last token it holds).
+      index: ``[]`` int32, the first free slot (the same for every row).
     """
 
     k: Any
     v: Any
+    positions: jax.Array
     lengths: jax.Array
+    index: jax.Array
 
     @property
     def stacked(self) -> bool:
@@ -39,27 +54,50 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
-        return int(self.lengths.shape[0])
+        return int(self.positions.shape[0])
 
     @property
     def max_len(self) -> int:
-        return int((self.k if self.stacked else self.k[0]).shape[-3])
+        return int(self.positions.shape[1])
 
     @property
     def num_layers(self) -> int:
         return int(self.k.shape[0]) if self.stacked else len(self.k)
 
+    @property
+    def kv_heads(self) -> int:
+        return int((self.k if self.stacked else self.k[0]).shape[-3]) // self.batch_size
+
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer i."""
         return self.k[i], self.v[i]
 
+    def truncate(self, lengths: jax.Array) -> "KVCache":
+        """Forget every token at or past each row's new length (``lengths [B]``).
+
+        A padded prefill writes pad tokens after a short row's prompt; truncating to the prompt
+        lengths empties their slots, and the row's next token goes to position ``lengths[b]``.
+        """
+        lengths = jnp.asarray(lengths, jnp.int32)
+        kept = (self.positions >= 0) & (self.positions < lengths[:, None])
+        return self.replace(positions=jnp.where(kept, self.positions, EMPTY), lengths=lengths)
+
     def repeat(self, n: int) -> "KVCache":
         """Each row repeated n times in place (row b becomes rows b*n .. b*n+n-1)."""
-        axis = 1 if self.stacked else 0
-        rep = lambda x: jnp.repeat(x, n, axis=axis)  # noqa: E731
+        batch, kv_heads = self.batch_size, self.kv_heads
+
+        def rep(x):  # [..., B * KV, a, b] -> [..., B * n * KV, a, b]
+            lead = x.shape[:-3]
+            rows = x.reshape(lead + (batch, kv_heads) + x.shape[-2:])
+            rows = jnp.repeat(rows, n, axis=len(lead))
+            return rows.reshape(lead + (batch * n * kv_heads,) + x.shape[-2:])
+
         k = rep(self.k) if self.stacked else tuple(rep(x) for x in self.k)
         v = rep(self.v) if self.stacked else tuple(rep(x) for x in self.v)
-        return KVCache(k=k, v=v, lengths=jnp.repeat(self.lengths, n, axis=0))
+        return self.replace(
+            k=k, v=v, positions=jnp.repeat(self.positions, n, axis=0),
+            lengths=jnp.repeat(self.lengths, n, axis=0),
+        )
 
 
 def init_kv_cache(
@@ -72,21 +110,39 @@ def init_kv_cache(
     dtype: Any = jnp.float32,
     stacked: bool = False,
 ) -> KVCache:
-    """An empty cache (zeros, every length 0)."""
-    shape = (batch_size, max_len, kv_heads, head_dim)
+    """An empty cache (zeros, every slot empty, every length 0)."""
+    k_shape = (batch_size * kv_heads, head_dim, max_len)
+    v_shape = (batch_size * kv_heads, max_len, head_dim)
     if stacked:
-        k = jnp.zeros((num_layers,) + shape, dtype)
-        v = jnp.zeros((num_layers,) + shape, dtype)
+        k = jnp.zeros((num_layers,) + k_shape, dtype)
+        v = jnp.zeros((num_layers,) + v_shape, dtype)
     else:
-        k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    return KVCache(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32))
+        k = tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers))
+        v = tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers))
+    return KVCache(
+        k=k, v=v, positions=jnp.full((batch_size, max_len), EMPTY, jnp.int32),
+        lengths=jnp.zeros((batch_size,), jnp.int32), index=jnp.zeros((), jnp.int32),
+    )
 
 
-def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Write ``new [B, T, KV, D]`` into ``cache [B, S, KV, D]`` at slots ``positions [B, T]``.
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Write ``k, v [B, T, KV, D]`` into one layer's caches at slots ``index .. index + T - 1``.
 
-    Positions outside the cache are dropped (the caller checks lengths before decoding).
+    ``k_cache`` is ``[B * KV, D, S]`` and ``v_cache`` ``[B * KV, S, D]``. Every row writes the same
+    T slots; the caller makes sure they fit (``index + T <= S``).
     """
-    rows = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+    batch, length, kv_heads, head_dim = k.shape
+    zero, start = jnp.int32(0), jnp.asarray(index, jnp.int32)
+    keys = k.transpose(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, length)
+    values = jnp.swapaxes(v, 1, 2).reshape(batch * kv_heads, length, head_dim)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, keys.astype(k_cache.dtype), (zero, zero, start))
+    v_cache = jax.lax.dynamic_update_slice(v_cache, values.astype(v_cache.dtype), (zero, start, zero))
+    return k_cache, v_cache
+
+
+def write_positions(positions: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """Record positions ``new [B, T]`` in ``positions [B, S]`` at slots ``index ..``."""
+    start = jnp.asarray(index, jnp.int32)
+    return jax.lax.dynamic_update_slice(positions, new.astype(jnp.int32), (jnp.int32(0), start))

@@ -158,17 +158,18 @@ def _generate(variables, prompt_tokens, prompt_lengths, key, *, model, sampling,
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
     logits, cache = model.apply(variables, prompt_tokens, positions=positions, cache=cache)
     logits = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    cache = cache.replace(lengths=prompt_lengths)
+    cache = cache.truncate(prompt_lengths)  # forget the padding after short prompts
     if n > 1:
         cache, logits = cache.repeat(n), jnp.repeat(logits, n, axis=0)
 
     row_keys = _row_keys(key, batch, n)
     eos = jnp.asarray(sampling.eos_token_ids, jnp.int32)
 
-    def keep_going(state):
-        return (state["t"] < max_new_tokens) & ~jnp.all(state["done"])
+    def keep_going(state):  # the last token needs no forward pass: it is chosen after the loop
+        return (state["t"] < max_new_tokens - 1) & ~jnp.all(state["done"])
 
-    def step(state):
+    def choose(state):
+        """Draw token t of every row from the current logits and record it."""
         t, done = state["t"], state["done"]
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
         token, behavior, raw = choose_tokens(state["logits"], keys, sampling)
@@ -176,19 +177,23 @@ def _generate(variables, prompt_tokens, prompt_lengths, key, *, model, sampling,
         behavior = jnp.where(done, 0.0, behavior)
         raw = jnp.where(done, 0.0, raw)
         hit_eos = jnp.isin(token, eos) & ~done if eos.size else jnp.zeros_like(done)
-        # rows that already ended feed a harmless id; their outputs are discarded
-        fed = jnp.where(done, 0, token)
-        next_logits, cache = model.apply(variables, fed[:, None], cache=state["cache"])
-        return dict(
+        return token, dict(
+            state,
             t=t + 1,
-            cache=cache,
-            logits=next_logits[:, 0],
             done=done | hit_eos,
             lengths=state["lengths"] + (~done).astype(jnp.int32),
             tokens=state["tokens"].at[:, t].set(token),
             behavior=state["behavior"].at[:, t].set(behavior),
             raw=state["raw"].at[:, t].set(raw),
         )
+
+    def step(state):
+        done = state["done"]
+        token, state = choose(state)
+        # rows that already ended feed a harmless id; their outputs are discarded
+        fed = jnp.where(done, 0, token)
+        next_logits, cache = model.apply(variables, fed[:, None], cache=state["cache"])
+        return dict(state, cache=cache, logits=next_logits[:, 0])
 
     state = dict(
         t=jnp.int32(0),
@@ -201,6 +206,7 @@ def _generate(variables, prompt_tokens, prompt_lengths, key, *, model, sampling,
         raw=jnp.zeros((rows, max_new_tokens), jnp.float32),
     )
     state = jax.lax.while_loop(keep_going, step, state)
+    _, state = choose(state)  # the last token (for rows that all ended early, a pad nobody counts)
     return Generation(
         tokens=state["tokens"],
         lengths=state["lengths"],

@@ -27,9 +27,9 @@ import numpy as np
 from flax.core import FrozenDict
 from jax.ad_checkpoint import checkpoint_name
 
-from dew.nn.attention import check_attention_impl, dot_product_attention
+from dew.nn.attention import cache_attention, check_attention_impl, dot_product_attention
 from dew.nn.backbones.layer_plan import LayerKind, resolve_layer_plan
-from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv
+from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv, write_positions
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 
 REMAT_POLICIES = ("full", "minimal", "save_qkv_proj")
@@ -179,7 +179,7 @@ class SelfAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids=None, layer_cache=None, kv_lengths=None, window=None):
+    def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
         batch, length, emb = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -212,14 +212,14 @@ class SelfAttention(nn.Module):
             out = dot_product_attention(q, k, v, segment_ids=segment_ids, **attend)
             new_cache = None
         else:
-            # write this call's keys at their positions, then attend over the whole cache: slot s
-            # holds position s, and slots at or past each row's new length are still empty
+            # write this call's keys and values to the shared slots from `index`, then attend over
+            # the whole cache by position (`kv_positions` already records this call's tokens)
+            kv_positions, index = slots
             cache_k, cache_v = layer_cache
-            cache_k, cache_v = write_kv(cache_k, k, positions), write_kv(cache_v, v, positions)
-            out = dot_product_attention(
-                q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), q_positions=positions,
-                kv_positions=jnp.arange(cache_k.shape[1], dtype=jnp.int32), kv_lengths=kv_lengths,
-                **attend,
+            cache_k, cache_v = write_kv(cache_k, cache_v, k, v, index)
+            out = cache_attention(
+                q, cache_k, cache_v, q_positions=positions, kv_positions=kv_positions,
+                causal=self.causal, window=window,
             )
             new_cache = (cache_k, cache_v)
 
@@ -227,6 +227,20 @@ class SelfAttention(nn.Module):
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
         out = _project(self, out, emb, ("heads", "embed"), "o_proj", std=out_std, **dense)
         return out, new_cache
+
+
+def _check_cache(cache: KVCache, batch: int, length: int) -> None:
+    """Raise when `length` new tokens of `batch` rows cannot go into `cache` (concrete values only)."""
+    if cache.batch_size != batch:
+        raise ValueError(f"the KV cache holds {cache.batch_size} rows but the tokens have {batch}; "
+                         "build it with model.init_cache(batch_size)")
+    if length > cache.max_len:
+        raise ValueError(f"{length} tokens do not fit a KV cache of max_len={cache.max_len}")
+    if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + length > cache.max_len:
+        raise ValueError(
+            f"the KV cache has {cache.max_len - int(cache.index)} free slots of {cache.max_len} and "
+            f"cannot take {length} more tokens; build it with a larger max_len"
+        )
 
 
 def _rope_context(rope_scaling: Mapping[str, Any] | None, max_seq_len: int) -> int:
@@ -287,7 +301,7 @@ class DecoderBlock(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids=None, layer_cache=None, kv_lengths=None, window=None):
+    def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
         norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         attention = SelfAttention(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -298,7 +312,7 @@ class DecoderBlock(nn.Module):
             name="self_attn",
         )
         h, new_cache = attention(
-            RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids, layer_cache, kv_lengths, window
+            RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids, layer_cache, slots, window
         )
         x = x + h
         mlp = MLP(self.mlp_features, self.num_layers, use_bias=self.mlp_bias, dtype=self.dtype,
@@ -311,8 +325,10 @@ class CausalTransformer(nn.Module):
     """Decoder-only language model: tokens ``[B, L]`` -> float32 logits ``[B, L, vocab_size]``.
 
     ``model.apply(variables, tokens, positions=None, segment_ids=None)`` returns logits;
-    with ``cache=`` (from `init_cache`) it returns ``(logits, new_cache)``, writing each row's
-    keys and values at its positions (default: right after what the row already holds).
+    with ``cache=`` (from `init_cache`) it returns ``(logits, new_cache)``: this call's keys and
+    values go to the cache's next free slots (the same slots for every row), at the given positions
+    (default: each row's next position, ``cache.lengths``), and every query attends to the cached
+    tokens by position.
 
     Attributes beyond the usual sizes:
       num_kv_heads: key/value heads for grouped-query attention (default: num_heads).
@@ -433,16 +449,15 @@ class CausalTransformer(nn.Module):
             )
         check_tokens(tokens, self.vocab_size)
 
-        kv_lengths = None
+        slots = None
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids are not supported together with a KV cache")
-            if length > cache.max_len:
-                raise ValueError(f"{length} tokens do not fit a KV cache of max_len={cache.max_len}")
+            _check_cache(cache, batch, length)
             if positions is None:
                 positions = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
             positions = jnp.broadcast_to(positions, (batch, length)).astype(jnp.int32)
-            kv_lengths = jnp.max(positions, axis=1) + 1
+            slots = (write_positions(cache.positions, positions, cache.index), cache.index)
         elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         else:
@@ -469,14 +484,14 @@ class CausalTransformer(nn.Module):
 
         if self.scan_layers:
             x, new_k, new_v = self._scanned_layers(block_cls, block_args, plan, x, positions, segment_ids,
-                                                   cache, kv_lengths)
+                                                   cache, slots)
         else:
             new_k, new_v = [], []
             for i, kind in enumerate(plan):
                 theta = self.rope_theta if kind.rope_theta is None else kind.rope_theta
                 block = block_cls(window=kind.window, rope_theta=theta, name=f"layers_{i}", **block_args)
                 layer_cache = None if cache is None else cache.layer(i)
-                x, layer_cache = block(x, positions, segment_ids, layer_cache, kv_lengths, None)
+                x, layer_cache = block(x, positions, segment_ids, layer_cache, slots, None)
                 if cache is not None:
                     new_k.append(layer_cache[0])
                     new_v.append(layer_cache[1])
@@ -491,9 +506,13 @@ class CausalTransformer(nn.Module):
         logits = logits.astype(jnp.float32)
         if cache is None:
             return logits
-        return logits, KVCache(k=new_k, v=new_v, lengths=kv_lengths)
+        new_cache = KVCache(
+            k=new_k, v=new_v, positions=slots[0], index=cache.index + length,
+            lengths=jnp.max(positions, axis=1) + 1,
+        )
+        return logits, new_cache
 
-    def _scanned_layers(self, block_cls, block_args, plan, x, positions, segment_ids, cache, kv_lengths):
+    def _scanned_layers(self, block_cls, block_args, plan, x, positions, segment_ids, cache, slots):
         """All layers as one nn.scan over a stacked block; windows may differ per layer."""
         windows = {kind.window for kind in plan}
         theta = self.rope_theta if plan[0].rope_theta is None else plan[0].rope_theta
@@ -512,7 +531,7 @@ class CausalTransformer(nn.Module):
         )
         stack = scanned(window=static_window, rope_theta=theta, name="layers", **block_args)
         layer_cache = None if cache is None else (cache.k, cache.v)
-        x, new_cache = stack(x, positions, segment_ids, layer_cache, kv_lengths, layer_windows)
+        x, new_cache = stack(x, positions, segment_ids, layer_cache, slots, layer_windows)
         if new_cache is None:
             return x, None, None
         return x, new_cache[0], new_cache[1]
