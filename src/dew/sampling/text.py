@@ -347,7 +347,8 @@ def generate(
         )
 
     padded_len = _bucket(longest, model.max_seq_len)
-    cache_len = min(padded_len + max_new_tokens, model.max_seq_len)
+    # the padded prompt plus every drawn token but the last, which is never fed back
+    cache_len = min(padded_len + max_new_tokens - 1, model.max_seq_len)
     tokens = np.zeros((len(rows), padded_len), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : row.size] = row
