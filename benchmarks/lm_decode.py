@@ -105,16 +105,19 @@ def matmul_floor(params, batch: int, new: int):
     MLP's gate/up and down products, then the tied output head, all on [batch, 1, width] rows as
     the decoder has them), with no attention, norms or sampling. `params` are in the layout Dew
     decodes this batch from (`dew.sampling.text.decoding_variables`: fused q/k/v and gate/up and
-    [out, in] o/down kernels for one row, the training layout otherwise), so the floor counts the
-    same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
+    [out, in] kernels for one row, the training layout otherwise), in the same forms, so the floor
+    counts the same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
     """
     layers = sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
     blocks = [{"attn": params[layer]["self_attn"], "mlp": params[layer]["mlp"]} for layer in layers]
     embedding = params["embed_tokens"]["embedding"]
     width = embedding.shape[1]
 
-    def product(x, p):  # a projection in either layout ([in, out] kernel or [out, in] kernel_t)
-        return jnp.einsum("...i,oi->...o", x, p["kernel_t"]) if "kernel_t" in p else x @ p["kernel"]
+    def product(x, p):  # a projection in either layout, in the form the model computes it
+        if "kernel" in p:  # [in, out]
+            return x @ p["kernel"]
+        kernel_t = p["kernel_t"]  # [out, in]: see dew.nn.backbones.causal_transformer._project
+        return x @ kernel_t.T if kernel_t.shape[0] > kernel_t.shape[1] else jnp.einsum("...i,oi->...o", x, kernel_t)
 
     @jax.jit
     def run(x, blocks, embedding):

@@ -90,7 +90,9 @@ def test_the_decode_layout_computes_the_same_function(scan_layers):
 
     layer = converted["params"]["layers" if scan_layers else "layers_0"]
     assert {"qkv_proj", "o_proj"} <= set(layer["self_attn"]) and "q_proj" not in layer["self_attn"]
-    assert set(layer["self_attn"]["o_proj"]) == {"kernel_t", "bias"}
+    for projection in (layer["self_attn"]["qkv_proj"], layer["self_attn"]["o_proj"],
+                       layer["mlp"]["gate_up_proj"], layer["mlp"]["down_proj"]):
+        assert set(projection) == {"kernel_t", "bias"}
     assert {"gate_up_proj", "down_proj"} <= set(layer["mlp"]) and "gate_proj" not in layer["mlp"]
     original = variables["params"]["layers" if scan_layers else "layers_0"]["mlp"]["down_proj"]["kernel"]
     np.testing.assert_array_equal(np.swapaxes(np.asarray(original), -1, -2),
@@ -109,6 +111,13 @@ def test_the_decode_layout_computes_the_same_function(scan_layers):
                                                      kernel_t=jnp.swapaxes(layer["self_attn"]["o_proj"]["kernel_t"], -1, -2)))
     broken = {"params": {**converted["params"],
                          ("layers" if scan_layers else "layers_0"): dict(layer, self_attn=attention)}}
+    assert np.abs(np.asarray(_run(model, broken, tokens)) - full).max() > 1e-3
+    # and a fused gate/up kernel (a widening product, computed in the other form) with its
+    # gate and up halves swapped
+    gate_up = layer["mlp"]["gate_up_proj"]
+    swapped = jnp.concatenate(jnp.split(gate_up["kernel_t"], 2, axis=-2)[::-1], axis=-2)
+    mlp = dict(layer["mlp"], gate_up_proj=dict(gate_up, kernel_t=swapped))
+    broken = {"params": {**converted["params"], ("layers" if scan_layers else "layers_0"): dict(layer, mlp=mlp)}}
     assert np.abs(np.asarray(_run(model, broken, tokens)) - full).max() > 1e-3
 
 

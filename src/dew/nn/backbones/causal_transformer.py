@@ -11,7 +11,7 @@ Parameter names follow Hugging Face's Llama layout (``layers_3/self_attn/q_proj/
 weight table is a rename plus a transpose. Every parameter carries logical axis names for
 sharding. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype; logits come back in
 float32. `decode_layout` rearranges a copy of the variables for one-token decoding (fused q/k/v and
-gate/up, transposed o/down kernels); the modules read either layout.
+gate/up, every kernel stored ``[out, in]``); the modules read either layout.
 """
 
 from __future__ import annotations
@@ -89,14 +89,21 @@ def _project(module: nn.Module, x: jax.Array, features: int, axes, name: str, **
     """The Dense projection `name` of `module`, in either weight layout.
 
     Training variables hold ``name/kernel [in, out]`` (an nn.Dense). Variables converted by
-    `decode_layout` may hold ``name/kernel_t [out, in]`` instead, which XLA:CPU's matrix-vector
-    products read faster for square and narrowing projections; the result is the same.
+    `decode_layout` hold ``name/kernel_t [out, in]`` instead, and the product's form is chosen by
+    its shape for XLA:CPU's one-row decode: a widening projection is written ``x @ kernel_t.T``,
+    which XLA fuses (with the producer of ``x``, e.g. the RMSNorm) into one loop split over the
+    cores; a square or narrowing one stays a plain matrix product with the ``[out, in]`` operand,
+    which runs faster than that loop for them (benchmarks/README.md). The result is the same.
     """
     params = module.get_variable("params", name) if module.has_variable("params", name) else None
     if params is None or "kernel_t" not in params:
         return _dense(features, axes, name, **dense)(x)
     dtype = dense["dtype"]
-    y = jnp.einsum("...i,oi->...o", x.astype(dtype), params["kernel_t"].astype(dtype))
+    x, kernel_t = x.astype(dtype), params["kernel_t"].astype(dtype)
+    if features > x.shape[-1]:  # widening: XLA:CPU runs `x @ W.T` as one loop split over the cores
+        y = x @ kernel_t.T
+    else:  # square and narrowing: a plain matrix product reads [out, in] faster
+        y = jnp.einsum("...i,oi->...o", x, kernel_t)
     if "bias" in params:
         y = y + params["bias"].astype(dtype)
     return y
@@ -106,10 +113,10 @@ def decode_layout(variables: Any) -> Any:
     """CausalTransformer variables rearranged for fast one-token decoding; same function.
 
     Per layer (stacked ``scan_layers`` parameters too): q/k/v projections become one
-    ``self_attn/qkv_proj`` ([in, q + k + v]), gate/up become one ``mlp/gate_up_proj``
-    ([in, 2 * hidden]), and ``o_proj``/``down_proj`` keep their kernel transposed as ``kernel_t``
-    ([out, in]). Fewer, wider matrix-vector products and the transposed narrowing ones stream
-    the weights faster on XLA:CPU (see benchmarks/README.md). The model reads either layout, so
+    ``self_attn/qkv_proj`` and gate/up one ``mlp/gate_up_proj``, and every kernel is stored
+    transposed as ``kernel_t`` ([out, in]; fused: [q + k + v, in] and [2 * hidden, in]). Fewer,
+    wider products over ``[out, in]`` kernels stream the weights faster on XLA:CPU when one row
+    is decoded (see `_project` and benchmarks/README.md). The model reads either layout, so
     ``model.apply(decode_layout(v), ...) == model.apply(v, ...)`` up to float rounding. This is a
     view for inference: train, save and export the original variables.
     """
@@ -130,10 +137,10 @@ def decode_layout(variables: Any) -> Any:
             return tree
         tree = {key: convert(value) for key, value in tree.items()}
         if {"q_proj", "k_proj", "v_proj", "o_proj"} <= tree.keys() and "kernel" in tree["o_proj"]:
-            tree["qkv_proj"] = concat([tree.pop("q_proj"), tree.pop("k_proj"), tree.pop("v_proj")])
+            tree["qkv_proj"] = transposed(concat([tree.pop("q_proj"), tree.pop("k_proj"), tree.pop("v_proj")]))
             tree["o_proj"] = transposed(tree["o_proj"])
         if {"gate_proj", "up_proj", "down_proj"} <= tree.keys() and "kernel" in tree["down_proj"]:
-            tree["gate_up_proj"] = concat([tree.pop("gate_proj"), tree.pop("up_proj")])
+            tree["gate_up_proj"] = transposed(concat([tree.pop("gate_proj"), tree.pop("up_proj")]))
             tree["down_proj"] = transposed(tree["down_proj"])
         return tree
 
@@ -184,7 +191,7 @@ class SelfAttention(nn.Module):
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         if self.has_variable("params", "qkv_proj"):  # decode_layout: one fused projection
-            qkv = _dense((heads + 2 * kv_heads) * head_dim, ("embed", "heads"), "qkv_proj", **dense)(x)
+            qkv = _project(self, x, (heads + 2 * kv_heads) * head_dim, ("embed", "heads"), "qkv_proj", **dense)
             q, k, v = jnp.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
         else:
             q = _dense(heads * head_dim, ("embed", "heads"), "q_proj", **dense)(x)
@@ -269,7 +276,7 @@ class MLP(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # 2-D matmuls: XLA's CPU backward then needs no transposes
         if self.has_variable("params", "gate_up_proj"):  # decode_layout: one fused projection
-            gate_up = _dense(2 * self.features, ("embed", "mlp"), "gate_up_proj", **dense)(x)
+            gate_up = _project(self, x, 2 * self.features, ("embed", "mlp"), "gate_up_proj", **dense)
             gate, up = jnp.split(gate_up, 2, axis=-1)
         else:
             gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
