@@ -103,7 +103,9 @@ def matmul_floor(params, batch: int, new: int):
     One jitted loop of `new` steps over `batch` rows, each step multiplying the activations by
     every weight matrix of the model once (per layer the attention's q/k/v and o products and the
     MLP's gate/up and down products, then the tied output head, all on [batch, 1, width] rows as
-    the decoder has them), with no attention, norms or sampling. `params` are in the layout Dew
+    the decoder has them), fed through the scale-free RMS norms the decoder puts before the
+    q/k/v, gate/up and head products (XLA fuses them into those products), with no attention or
+    sampling. `params` are in the layout Dew
     decodes this batch from (`dew.sampling.text.decoding_variables`: fused q/k/v and gate/up and
     [out, in] kernels for one row, the training layout otherwise), in the same forms, so the floor
     counts the same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
@@ -119,27 +121,32 @@ def matmul_floor(params, batch: int, new: int):
         kernel_t = p["kernel_t"]  # [out, in]: see dew.nn.backbones.causal_transformer._project
         return x @ kernel_t.T if kernel_t.shape[0] > kernel_t.shape[1] else jnp.einsum("...i,oi->...o", x, kernel_t)
 
+    def norm(x):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
     @jax.jit
     def run(x, blocks, embedding):
         def step(_, x):
             for b in blocks:
                 attn, mlp = b["attn"], b["mlp"]
+                h = norm(x)
                 if "qkv_proj" in attn:
                     o = attn["o_proj"]
                     q_features = o["kernel_t"].shape[1] if "kernel_t" in o else o["kernel"].shape[0]
-                    qkv = product(x, attn["qkv_proj"])
+                    qkv = product(h, attn["qkv_proj"])
                     q, kv = qkv[..., :q_features], qkv[..., q_features:]
                 else:
-                    q = product(x, attn["q_proj"])
-                    kv = jnp.concatenate([product(x, attn["k_proj"]), product(x, attn["v_proj"])], -1)
+                    q = product(h, attn["q_proj"])
+                    kv = jnp.concatenate([product(h, attn["k_proj"]), product(h, attn["v_proj"])], -1)
                 attended = q + jnp.tile(kv, q.shape[-1] // kv.shape[-1])  # stands in for attention
                 x = x + product(attended, attn["o_proj"])
+                h = norm(x)
                 if "gate_up_proj" in mlp:
-                    gate, up = jnp.split(product(x, mlp["gate_up_proj"]), 2, axis=-1)
+                    gate, up = jnp.split(product(h, mlp["gate_up_proj"]), 2, axis=-1)
                 else:
-                    gate, up = product(x, mlp["gate_proj"]), product(x, mlp["up_proj"])
+                    gate, up = product(h, mlp["gate_proj"]), product(h, mlp["up_proj"])
                 x = x + product(jax.nn.silu(gate) * up, mlp["down_proj"])
-            logits = x @ embedding.T
+            logits = norm(x) @ embedding.T
             return x + 1e-3 * logits[..., :width]  # the next step depends on this one's head
         return jax.lax.fori_loop(0, new, step, x)
 
