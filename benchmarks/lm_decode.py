@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.interop import PretrainedDecoder
+from dew.nn.backbones.causal_transformer import transposed_product
 from dew.sampling import Sampling, generate
 from dew.sampling.text import decoding_variables
 from common import cores
@@ -116,10 +117,7 @@ def matmul_floor(params, batch: int, new: int):
     width = embedding.shape[1]
 
     def product(x, p):  # a projection in either layout, in the form the model computes it
-        if "kernel" in p:  # [in, out]
-            return x @ p["kernel"]
-        kernel_t = p["kernel_t"]  # [out, in]: see dew.nn.backbones.causal_transformer._project
-        return x @ kernel_t.T if kernel_t.shape[0] > kernel_t.shape[1] else jnp.einsum("...i,oi->...o", x, kernel_t)
+        return transposed_product(x, p["kernel_t"]) if "kernel_t" in p else x @ p["kernel"]
 
     def norm(x):
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)

@@ -85,25 +85,30 @@ def _dense(features, axes, name, *, use_bias=False, std=INIT_STD, dtype, param_d
     )
 
 
+def transposed_product(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
+    """``x @ kernel_t.T`` for a kernel stored ``[out, in]``, in the form XLA:CPU runs fastest.
+
+    For one-row decoding a widening product is written ``x @ kernel_t.T``, which XLA fuses (with
+    the producer of ``x``, e.g. the RMSNorm) into one loop split over the cores; a square or
+    narrowing one stays a plain matrix product with the ``[out, in]`` operand, which runs faster
+    than that loop for them (benchmarks/README.md). The result is the same.
+    """
+    if kernel_t.shape[-2] > kernel_t.shape[-1]:
+        return x @ kernel_t.T
+    return jnp.einsum("...i,oi->...o", x, kernel_t)
+
+
 def _project(module: nn.Module, x: jax.Array, features: int, axes, name: str, **dense) -> jax.Array:
     """The Dense projection `name` of `module`, in either weight layout.
 
     Training variables hold ``name/kernel [in, out]`` (an nn.Dense). Variables converted by
-    `decode_layout` hold ``name/kernel_t [out, in]`` instead, and the product's form is chosen by
-    its shape for XLA:CPU's one-row decode: a widening projection is written ``x @ kernel_t.T``,
-    which XLA fuses (with the producer of ``x``, e.g. the RMSNorm) into one loop split over the
-    cores; a square or narrowing one stays a plain matrix product with the ``[out, in]`` operand,
-    which runs faster than that loop for them (benchmarks/README.md). The result is the same.
+    `decode_layout` hold ``name/kernel_t [out, in]`` instead, multiplied by `transposed_product`.
     """
     params = module.get_variable("params", name) if module.has_variable("params", name) else None
     if params is None or "kernel_t" not in params:
         return _dense(features, axes, name, **dense)(x)
     dtype = dense["dtype"]
-    x, kernel_t = x.astype(dtype), params["kernel_t"].astype(dtype)
-    if features > x.shape[-1]:  # widening: XLA:CPU runs `x @ W.T` as one loop split over the cores
-        y = x @ kernel_t.T
-    else:  # square and narrowing: a plain matrix product reads [out, in] faster
-        y = jnp.einsum("...i,oi->...o", x, kernel_t)
+    y = transposed_product(x.astype(dtype), params["kernel_t"].astype(dtype))
     if "bias" in params:
         y = y + params["bias"].astype(dtype)
     return y
@@ -116,7 +121,7 @@ def decode_layout(variables: Any) -> Any:
     ``self_attn/qkv_proj`` and gate/up one ``mlp/gate_up_proj``, and every kernel is stored
     transposed as ``kernel_t`` ([out, in]; fused: [q + k + v, in] and [2 * hidden, in]). Fewer,
     wider products over ``[out, in]`` kernels stream the weights faster on XLA:CPU when one row
-    is decoded (see `_project` and benchmarks/README.md). The model reads either layout, so
+    is decoded (see `transposed_product` and benchmarks/README.md). The model reads either layout, so
     ``model.apply(decode_layout(v), ...) == model.apply(v, ...)`` up to float rounding. This is a
     view for inference: train, save and export the original variables.
     """
