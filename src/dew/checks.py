@@ -1,0 +1,23 @@
+"""Argument checks shared by every layer, so a bad count reads the same wherever it is caught."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+
+def count(value: Any, name: str, *, minimum: int = 1, optional: bool = False) -> int | None:
+    """`value` as a Python int of at least `minimum` (a count, a size, a number of steps).
+
+    Python and NumPy integers pass; bools, floats (even whole ones) and strings do not, since a
+    float count is almost always a unit mistake. ``optional=True`` lets None through. The error
+    names the argument, what it must be and what was given.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= minimum:
+        return int(value)
+    bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if optional:
+        bound += " or None"
+    raise ValueError(f"{name} must be {bound}; got {value!r} ({type(value).__name__}).")

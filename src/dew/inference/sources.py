@@ -1,0 +1,1 @@
+"""Where a source named to dew.pipeline lives: a run, a checkpoint directory or a Hub repository."""
