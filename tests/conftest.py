@@ -1,6 +1,12 @@
-"""Test set-up: the CPU backend with 8 virtual devices, so mesh tests run on any machine."""
+"""Test set-up: the CPU backend with 8 virtual devices, so mesh tests run on any machine, and a
+Hugging Face Hub that is offline and empty, so no test can reach the network: a test that needs a
+Hub repository populates its own cache (see `hub_cache`)."""
 
 import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="dew-hub-cache-")
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -10,3 +16,39 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402  (imported after the flags are set)
 
 jax.config.update("jax_platforms", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache directory that `huggingface_hub` reads, offline, for one test.
+
+    Returns a function ``put(repo_id, files, revision="main", commit=None) -> commit`` that lays a
+    snapshot of `files` (name -> source path) out the way the Hub's cache does (refs/REVISION
+    holding the commit, snapshots/COMMIT/NAME).
+    """
+    import hashlib
+    import shutil
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def put(repo_id, files, revision="main", commit=None):
+        commit = commit or hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+        repo = cache / ("models--" + repo_id.replace("/", "--"))
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for name, source in files.items():
+            shutil.copyfile(source, snapshot / name)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+        return commit
+
+    return put

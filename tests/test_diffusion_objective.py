@@ -112,7 +112,7 @@ def test_guidance_needs_conditions_and_labels_reach_the_model():
     np.testing.assert_allclose(guided, a, atol=1e-4)  # scale 1 is the conditional model (up to rounding)
     with pytest.raises(ValueError, match="conditioned on class labels"):
         task(["a flower"], steps=4, seed=0)
-    with pytest.raises(ValueError, match="exactly one of key"):
+    with pytest.raises(ValueError, match="exactly one of seed"):
         task([0], steps=4)
 
 

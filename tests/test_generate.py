@@ -201,7 +201,7 @@ class _Digits:
 
 def test_text_generation_task(lm):
     model, variables = lm
-    task = TextGeneration(model, variables, sampling=Sampling(temperature=0.0), tokenizer=_Digits())
+    task = TextGeneration(model, variables, sampling=Sampling(temperature=0.0), processor=_Digits())
     by_seed = task([[5, 9, 2]], 6, seed=3)
     by_key = task([[5, 9, 2]], 6, key=jax.random.key(3))
     np.testing.assert_array_equal(np.asarray(by_seed.tokens), np.asarray(by_key.tokens))
@@ -219,11 +219,11 @@ def test_text_generation_task(lm):
     assert bound.sampling == task.sampling
     with pytest.raises(dataclasses.FrozenInstanceError):
         task.variables = other
-    with pytest.raises(ValueError, match="exactly one of key= .* or seed="):
+    with pytest.raises(ValueError, match="exactly one of seed= .* or key="):
         task([[1]], 2)
     with pytest.raises(ValueError, match="exactly one"):
         task([[1]], 2, key=KEY, seed=1)
-    with pytest.raises(ValueError, match="no tokenizer"):
+    with pytest.raises(ValueError, match="no processor"):
         TextGeneration(model, variables).decode(by_key)
 
 

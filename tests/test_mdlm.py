@@ -86,10 +86,10 @@ def test_generate_returns_exactly_length_unmasked_tokens_after_each_prompt():
     greedy = process.generate(model, variables, prompts, 5, key=jax.random.key(2), steps=1, temperature=0.0)
     assert greedy.tokens.shape == (2, 5)
 
-    task = MaskedGeneration(model, variables, MDLM(mask_id=MASK), tokenizer=tokenizer, steps=4)
+    task = MaskedGeneration(model, variables, MDLM(mask_id=MASK), processor=tokenizer, steps=4)
     texts = task.decode(task(["Once upon", "A"], 7, seed=0))
     assert len(texts) == 2
-    with pytest.raises(ValueError, match="exactly one of key= .* or seed="):
+    with pytest.raises(ValueError, match="exactly one of seed= .* or key="):
         task(["A"], 3)
 
 

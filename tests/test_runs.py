@@ -86,7 +86,7 @@ def test_dew_pipeline_rebuilds_a_saved_run_from_its_record(tmp_path):
     b = from_state([[1, 2]], 6, key=jax.random.key(1))
     assert np.asarray(a.tokens).tolist() == np.asarray(b.tokens).tolist() == [[3, 4, 1, 2, 3, 4]]
     # the EMA weights by default, the live ones on request
-    live = dew.pipeline(run, averaged=False)
+    live = dew.pipeline(run, ema=False)
     jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(live.variables["params"]),
                            jax.device_get(state.params))
     jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(task.variables["params"]),
@@ -103,8 +103,8 @@ def test_a_run_keeps_its_tokenizer_files(tmp_path):
 
 
 def test_pipeline_refuses_what_is_not_a_local_run_or_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="downloads nothing"):
-        dew.pipeline("Qwen/Qwen3-0.6B")
+    with pytest.raises(FileNotFoundError, match="could not be read from the cache"):
+        dew.pipeline("Qwen/Qwen3-0.6B")  # offline, and not in the (empty) test cache
     (tmp_path / "run.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(ValueError, match="not a Dew run record"):
         RunConfig.load(tmp_path)

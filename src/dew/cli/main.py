@@ -14,7 +14,7 @@ def _export(run: Positional[str], dest: Positional[str], step: int | None = None
     generation_config.json, tokenizer files) that transformers, vLLM and llama.cpp read."""
     from dew.interop import PretrainedDecoder
 
-    bundle = PretrainedDecoder.from_run(run, step=step, averaged=not live)
+    bundle = PretrainedDecoder.from_run(run, step=step, ema=not live)
     bundle.save(dest, overwrite=overwrite)
     print(f"exported {run} as {bundle.config.get('model_type')} to {dest}")
 

@@ -15,7 +15,8 @@ def run(
     Args:
         input: The text file to read.
         out: The directory to write train.bin, val.bin and meta.json into (created if missing).
-        tokenizer: "byte" (UTF-8 bytes, 256 ids) or a local directory holding tokenizer.json; its
+        tokenizer: "byte" (UTF-8 bytes, 256 ids), a local directory holding tokenizer.json, or a Hub
+            repository id read through the Hugging Face cache (HF_HUB_OFFLINE=1 reads only the cache); its
             files are copied into OUT/tokenizer so the corpus carries its tokenizer.
         val_fraction: The share of tokens held out for validation, taken from the head of the text.
         pack: Treat the input as documents separated by the tokenizer's end-of-text text

@@ -1,7 +1,9 @@
 """Turning settings into JSON and back: dataclasses by import path, dtypes by name.
 
 A record is plain JSON. A dataclass (a Flax module's settings, `TokenWindows`, `Sampling`,
-`LayerKind`) becomes `{"__type__": "module.Class", "fields": {...}}`; a dtype becomes
+`LayerKind`) becomes `{"__type__": "module.Class", "fields": {...}}`; a class with a
+``__record__()`` method returning ``(args, fields)`` adds ``"args": [...]`` and is rebuilt as
+``Class(*args, **fields)``; a dtype becomes
 `{"__dtype__": "bfloat16"}`; tuples keep their type as `{"__tuple__": [...]}`. Only types that
 `import_path` can reach are rebuilt, and reading a record imports their modules.
 """
@@ -72,6 +74,10 @@ def to_record(value: Any) -> Any:
         if not all(isinstance(k, str) for k in keys):
             raise TypeError(f"Record mappings need string keys; got {keys!r}.")
         return {k: to_record(v) for k, v in value.items()}
+    if callable(getattr(type(value), "__record__", None)):  # a class that says how it is rebuilt
+        args, fields = value.__record__()
+        return {"__type__": import_path(value), "args": [to_record(v) for v in args],
+                "fields": {k: to_record(v) for k, v in fields.items()}}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {
             f.name: to_record(getattr(value, f.name))
@@ -101,7 +107,8 @@ def from_record(record: Any) -> Any:
         return resolve(record["__enum__"])(record["value"])
     if "__type__" in record:
         cls = resolve(record["__type__"])
-        return cls(**{k: from_record(v) for k, v in record["fields"].items()})
+        args = [from_record(v) for v in record.get("args", [])]
+        return cls(*args, **{k: from_record(v) for k, v in record["fields"].items()})
     return {k: from_record(v) for k, v in record.items()}
 
 

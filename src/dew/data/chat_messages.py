@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from dew.data.chat import Role
+from dew.checks import count
 from dew.data.dataset import Dataset, Loading
+from dew.data.tokenizers import load_tokenizer
 
 _ROLES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT, "tool": Role.TOOL,
           "ipython": Role.TOOL}
@@ -261,7 +263,8 @@ class ChatMessages:
 
     Each row holds `seq_len + 1` ids (the LMObjective layout): shorter conversations are padded
     with the tokenizer's pad id (role NONE, and 0 in the "mask" column), longer ones truncated.
-    `chat_template` overrides the tokenizer's own template.
+    `tokenizer` is a tokenizer object, a tokenizer directory or a Hub repository id (read through
+    the Hugging Face cache). `chat_template` overrides the tokenizer's own template.
     """
 
     def __init__(
@@ -274,8 +277,8 @@ class ChatMessages:
         seed: int = 0,
         chat_template: str | None = None,
     ):
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
+        seq_len = count(seq_len, "seq_len")
+        tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
         template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         if not template:
             raise ValueError(

@@ -19,6 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from dew.hub import is_repo_id, local_directory
+
 BYTE = "byte"
 
 # Files a Hugging Face tokenizer directory may hold that a reload (by Dew or by transformers) reads.
@@ -109,24 +111,21 @@ class ByteTokenizer:
         return hash(ByteTokenizer)
 
 
+# the files a tokenizer directory may hold, fetched from a Hub repository without its weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 class HFTokenizer:
-    """A Hugging Face fast tokenizer read from a local directory holding `tokenizer.json`.
+    """A Hugging Face fast tokenizer read from a directory holding `tokenizer.json`, or from a Hub
+    repository id through the Hugging Face cache (`revision`: a branch, tag or commit).
 
     `tokenizer_config.json`, when present, names the eos/bos/pad tokens and may carry a chat
     template; a `chat_template.jinja` file beside it takes precedence, as in transformers. When the
     config names no pad token, `pad_id` falls back to `eos_id`.
     """
 
-    def __init__(self, name_or_dir: str | Path):
-        directory = Path(name_or_dir).expanduser()
-        if not directory.is_dir():
-            raise FileNotFoundError(
-                f"HFTokenizer reads a local directory holding tokenizer.json; {str(name_or_dir)!r} "
-                "is not a directory. Dew downloads nothing: fetch the files first (for example "
-                f"`hf download {name_or_dir} tokenizer.json tokenizer_config.json --local-dir "
-                "DIR`, or transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`) "
-                "and pass that directory."
-            )
+    def __init__(self, name_or_dir: str | Path, *, revision: str | None = None):
+        directory = local_directory(name_or_dir, revision=revision, allow_patterns=TOKENIZER_FILES, what="tokenizer")
         if not (directory / "tokenizer.json").is_file():
             present = sorted(path.name for path in directory.iterdir())[:10]
             raise FileNotFoundError(
@@ -244,8 +243,8 @@ def _config_template(value: Any) -> str | None:
 
 
 def load_tokenizer(spec: str | Path | Tokenizer) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer a spec names: `"byte"`, or a local directory holding tokenizer.json (or the
-    marker `ByteTokenizer.save` writes).
+    """The tokenizer a spec names: `"byte"`, a local directory holding tokenizer.json (or the
+    marker `ByteTokenizer.save` writes), or a Hub repository id read through the Hugging Face cache.
 
     A tokenizer object passes through unchanged, so callers can take either.
     """
@@ -262,9 +261,9 @@ def load_tokenizer(spec: str | Path | Tokenizer) -> ByteTokenizer | HFTokenizer:
             if json.loads(marker.read_text()).get("tokenizer") == BYTE:
                 return ByteTokenizer()
         return HFTokenizer(directory)
+    if is_repo_id(spec):
+        return HFTokenizer(spec)
     raise ValueError(
-        f"Unknown tokenizer {spec!r}: expected {BYTE!r} or a local directory holding "
-        "tokenizer.json. Dew downloads nothing; save a Hub tokenizer to a directory first "
-        "(transformers' save_pretrained, or `hf download NAME tokenizer.json "
-        "tokenizer_config.json --local-dir DIR`)."
+        f"Unknown tokenizer {spec!r}: expected {BYTE!r}, a local directory holding tokenizer.json, "
+        "or a Hub repository id (owner/name) in the Hugging Face cache."
     )

@@ -492,3 +492,32 @@ def document_segments(text: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.nda
     index = np.broadcast_to(np.arange(text.shape[-1], dtype=np.int32), text.shape)
     last_begin = np.maximum.accumulate(np.where(begins, index, 0), axis=-1)
     return segment_ids, (index - last_begin).astype(np.int32)
+
+
+def prompt_rows(prompts: Any) -> list[np.ndarray]:
+    """Prompts as a list of 1-D integer arrays (a 2-D array is one prompt per row)."""
+    if isinstance(prompts, np.ndarray) or (hasattr(prompts, "__array__") and hasattr(prompts, "ndim")):
+        array = np.asarray(prompts)
+        if array.ndim == 1:
+            array = array[None]
+        if array.ndim != 2:
+            raise ValueError(
+                f"prompts must be a list of token-id lists or a [batch, length] array, got shape {array.shape}"
+            )
+        rows = list(array)
+    elif isinstance(prompts, (str, bytes)):
+        raise TypeError(
+            "generate takes token ids, not text; tokenize the prompt first (or use TextGeneration with a tokenizer)"
+        )
+    else:
+        rows = [np.asarray(row) for row in prompts]
+    if not rows:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    for i, row in enumerate(rows):
+        if row.ndim != 1:
+            raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {row.shape}")
+        if row.size == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"prompt {i} must hold integer token ids, got dtype {row.dtype}")
+    return rows

@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
+from dew.data.tokens import prompt_rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +102,8 @@ class MaskedDiffusion:
         are laid out as prompt, then `length` masked slots; shorter rows are padded at the end in
         a segment of their own, so a bidirectional model never attends to padding.
         """
-        from dew.sampling.text import _prompt_rows
 
-        if isinstance(length, bool) or int(length) != length or length < 1:
-            raise ValueError(f"length must be a positive int; got {length!r}.")
-        if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-            raise ValueError(f"steps must be a positive int; got {steps!r}.")
+        length, steps = count(length, "length"), count(steps, "steps")
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 takes the most likely token); got {temperature}.")
         vocab = getattr(model, "vocab_size", None)
@@ -113,7 +112,7 @@ class MaskedDiffusion:
                 f"mask_id={self.mask_id} is outside the model's vocabulary of {vocab} ids; build the "
                 f"model with vocab_size={self.mask_id + 1} (or more)."
             )
-        rows = _prompt_rows(prompts)
+        rows = prompt_rows(prompts)
         for index, row in enumerate(rows):
             if vocab is not None and (row.min() < 0 or row.max() >= vocab):
                 raise ValueError(f"prompt {index} holds ids outside [0, {vocab}).")

@@ -1,5 +1,22 @@
-"""Inference tasks: immutable pairs of a model and its weights."""
+"""Inference: tasks that pair a model with its weights, and `pipeline`, which builds one from a source.
 
-from dew.inference.text import TextGeneration
+Names resolve on first use: the task modules sit below the objectives that build them, and
+`pipeline` (which reads runs, checkpoints and the Hub) sits above everything else.
+"""
 
-__all__ = ["TextGeneration"]
+from __future__ import annotations
+
+from dew._lazy import lazy_getattr
+
+_EXPORTS = {
+    "TextGeneration": "dew.inference.text",
+    "TextToImage": "dew.inference.image",
+    "Images": "dew.inference.image",
+    "MaskedGeneration": "dew.inference.masked",
+    "RunProcessor": "dew.inference.processor",
+    "pipeline": "dew.inference.pipeline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -10,6 +10,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
+from dew.inference.text import resolve_key
+from dew.sampling.guidance import CFG
+from dew.sampling.sample import sample
+from dew.sampling.solvers import Heun
+
+DEFAULT = object()  # a call's guidance= left out: the task's own
+
+
+def as_guidance(value: Any) -> Any:
+    """Guidance as a CFG (or another guidance object), from a CFG, a plain scale, or None."""
+    if value is None or hasattr(value, "bind"):
+        return value
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return CFG(float(value))
+    raise TypeError(f"guidance must be a CFG, a plain scale (a float) or None; got {value!r}.")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +47,9 @@ class Images:
 class TextToImage:
     """An immutable sampling task over fixed weights.
 
-    `task(prompts_or_labels, steps=, solver=, guidance=, seed= | key=)` draws one sample per entry.
+    `task(prompts_or_labels, steps=, solver=, guidance=, seed= | key=)` draws one sample per entry;
+    `steps`, `solver` and `guidance` default to the task's own. `guidance` is a `CFG` or a plain
+    scale (``3.0`` means ``CFG(3.0)``); None turns classifier-free guidance off.
     Integer entries are class labels for a model conditioned on "label" (None draws
     unconditionally); with no text encoder, strings only set how many samples to draw, and a model
     trained without conditions draws unconditionally.
@@ -42,6 +61,13 @@ class TextToImage:
     sample_shape: tuple[int, ...]
     conditions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     autoencoder: Any = None
+    solver: Any = dataclasses.field(default_factory=Heun)
+    guidance: Any = None
+    steps: int = 40
+
+    def __post_init__(self):
+        object.__setattr__(self, "guidance", as_guidance(self.guidance))
+        object.__setattr__(self, "steps", count(self.steps, "TextToImage.steps"))
 
     def bind(self, variables: Any) -> TextToImage:
         return dataclasses.replace(self, variables=variables)
@@ -50,18 +76,16 @@ class TextToImage:
         self,
         prompts_or_labels: Sequence[Any],
         *,
-        steps: int = 40,
+        steps: int | None = None,
         solver: Any = None,
-        guidance: Any = None,
+        guidance: Any = DEFAULT,
         seed: int | None = None,
         key: jax.Array | None = None,
     ) -> Images:
-        from dew.sampling.sample import sample
-        from dew.sampling.solvers import Heun
-
-        if (key is None) == (seed is None):
-            raise ValueError("Pass exactly one of key= (a jax.random key) or seed= (an int).")
-        key = jax.random.key(int(seed)) if key is None else key
+        key = resolve_key(seed, key)
+        steps = self.steps if steps is None else count(steps, "steps")
+        solver = self.solver if solver is None else solver
+        guidance = as_guidance(self.guidance if guidance is DEFAULT else guidance)
         entries = list(prompts_or_labels)
         if not entries:
             raise ValueError("Nothing to draw: prompts_or_labels is empty.")
@@ -75,7 +99,7 @@ class TextToImage:
         noise_key, solver_key = jax.random.split(key)
         x_T = self.process.noise(noise_key, (len(entries),) + tuple(self.sample_shape))
         denoise = self.process.denoiser(self.model, self.variables, conditions or None)
-        x0 = sample(denoise, x_T, solver=solver or Heun(), steps=steps, key=solver_key, guidance=guidance)
+        x0 = sample(denoise, x_T, solver=solver, steps=steps, key=solver_key, guidance=guidance)
         if self.autoencoder is not None:
             x0 = self.autoencoder.decode(x0)
         return Images(jnp.clip(x0, -1.0, 1.0))

@@ -1,4 +1,11 @@
-"""`dew.pipeline`: an inference task from a saved run or a local checkpoint directory."""
+"""`dew.pipeline`: the inference task a saved run, a checkpoint directory or a Hub repository serves.
+
+A saved run (run.json beside its checkpoint steps) rebuilds its objective from the record and asks
+it for its task over one step's weights, exactly as `objective.pipeline(state)` does after
+training. A Hugging Face checkpoint directory, or a Hub repository id resolved through the local
+Hugging Face cache, loads through `dew.interop`. With `mesh=`, the weights are placed by the same
+logical-axis rules the Trainer uses, and results are sharded by row.
+"""
 
 from __future__ import annotations
 
@@ -7,63 +14,166 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dew.config.run import RUN_FILE
+from dew.hub import is_repo_id, local_directory
+
+CONFIG_FILE = "config.json"
+
 
 def pipeline(
     source: str | os.PathLike,
     *,
+    mesh: Any = None,
+    layout: Any = None,
+    dtype: Any = None,
+    param_dtype: Any = None,
+    ema: bool = True,
     step: int | None = None,
-    averaged: bool = True,
-    sampling: Any = None,
-    **load_options: Any,
+    revision: str | None = None,
 ):
-    """The task a run or checkpoint directory supports (text generation for a decoder).
+    """The task `source` serves: TextGeneration, MaskedGeneration or TextToImage.
 
-    `source` is a saved run (a directory with `run.json` beside its checkpoint steps: the model is
-    rebuilt from the record and the weights of `step`, the latest by default, are loaded, with the
-    EMA copy when `averaged` and the run kept one) or a Hugging Face layout directory (config.json
-    and safetensors weights; `load_options` such as `dtype=` go to its loader). Nothing is
-    downloaded: a name that is not a local directory is an error.
+    Args:
+      source: a run directory, a Hugging Face checkpoint directory, or a Hub repository id.
+      mesh, layout: a MeshSpec and Layout to place the weights on (default: as loaded, on one device).
+      dtype: the compute dtype. param_dtype: the storage dtype of the weights; None keeps a run's
+        stored dtypes and loads a published checkpoint in float32, "auto" keeps the stored dtypes.
+      ema: a run's moving-average weights (raises when the run keeps none); False for the live ones.
+      step: which of a run's checkpoint steps (default: the newest).
+      revision: a branch, tag or commit of a Hub repository.
     """
-    path = Path(source)
-    if (path / "run.json").is_file():
-        return _from_run(path, step=step, averaged=averaged, sampling=sampling)
-    if (path / "config.json").is_file():
-        from dew.interop import Pretrained
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if (path / RUN_FILE).is_file():
+            if revision is not None:
+                raise ValueError(f"revision={revision!r} pins a Hub repository; {path} is a saved run (pass step= instead).")
+            return _from_run(path, step=step, ema=ema, mesh=mesh, layout=layout, dtype=dtype, param_dtype=param_dtype)
+        if (path / CONFIG_FILE).is_file():
+            return _from_published(path, step=step, mesh=mesh, layout=layout, dtype=dtype, param_dtype=param_dtype)
+        present = sorted(p.name for p in path.iterdir())[:12]
+        raise FileNotFoundError(
+            f"{path} is a directory, but neither a saved run (no {RUN_FILE}) nor a Hugging Face "
+            f"checkpoint directory (no {CONFIG_FILE}); it holds {present}."
+        )
+    if not is_repo_id(str(source)):
+        raise FileNotFoundError(
+            f"{str(source)!r} is not a directory (so neither a saved run nor a checkpoint directory) and "
+            "not a Hub repository id of the form owner/name."
+        )
+    directory = local_directory(str(source), revision=revision)
+    return _from_published(directory, step=step, mesh=mesh, layout=layout, dtype=dtype, param_dtype=param_dtype)
 
-        task = Pretrained.load(path, **load_options).text_generation()
-        return dataclasses.replace(task, sampling=sampling) if sampling is not None else task
-    raise FileNotFoundError(
-        f"{source!s} is neither a saved run (a directory with run.json) nor a checkpoint directory "
-        "(with config.json). Dew downloads nothing: pass a local directory."
-    )
+
+# --- saved runs -----------------------------------------------------------------------------------
 
 
-def _from_run(path: Path, *, step: int | None, averaged: bool, sampling: Any):
+def _from_run(path: Path, *, step, ema, mesh, layout, dtype, param_dtype):
     import jax.numpy as jnp
 
     from dew.config.run import RunConfig
-    from dew.training.checkpoints import Checkpoints
-    from dew.training.state import TrainState
+    from dew.config.saved import load_run, objective_class
+    from dew.objectives.base import Objective
 
-    config = RunConfig.load(path)
-    if config.objective is None:
-        raise ValueError(f"{path / 'run.json'} names no objective, so it does not say which task it serves.")
-    model = config.model.build()
-    variables, ema, found = Checkpoints(path).restore_variables(step)
-    state = TrainState(
-        step=jnp.asarray(found, jnp.int32),
-        updates=jnp.asarray(found, jnp.int32),
-        variables=variables,
-        opt_state=None,
-        ema=ema if averaged else None,
-        key=None,
-    )
-    task = config.objective.build(model).pipeline(state)
-    replacements = {}
-    tokenizer = config.tokenizer_in(path)
-    if tokenizer is not None and hasattr(task, "tokenizer"):
-        replacements["tokenizer"] = tokenizer
-    chosen = sampling if sampling is not None else config.sampling
-    if chosen is not None and hasattr(task, "sampling"):
-        replacements["sampling"] = chosen
+    cls = objective_class(RunConfig.load(path), path)
+    if cls.pipeline is Objective.pipeline:  # checked before any weights are read
+        raise TypeError(
+            f"{path} is a {cls.__name__} run, which has no generation task, so dew.pipeline cannot serve "
+            f"it; {cls.no_task_hint}."
+        )
+    run = load_run(path, step=step)
+    model = run.config.model.build()
+    if dtype is not None:
+        if not hasattr(model, "dtype"):
+            raise ValueError(f"dtype= sets a model's compute dtype, but {type(model).__name__} has no dtype field.")
+        model = model.clone(dtype=jnp.dtype(dtype))
+    objective = run.config.objective.build(model)
+    state = run.state()
+    if param_dtype not in (None, "auto"):
+        state = state.replace(variables=_cast(state.variables, param_dtype), ema=_cast(state.ema, param_dtype))
+    row_sharding = None
+    if mesh is not None:
+        state, row_sharding = _place_state(objective, state, mesh, layout)
+    task = objective.pipeline(state, ema=ema)
+    replacements: dict[str, Any] = {}
+    tokenizer = run.tokenizer()
+    if tokenizer is not None and _has_field(task, "processor"):
+        from dew.inference.processor import RunProcessor
+
+        replacements["processor"] = RunProcessor(tokenizer)
+    if run.config.sampling is not None and _has_field(task, "sampling"):
+        replacements["sampling"] = run.config.sampling
+    if row_sharding is not None and _has_field(task, "row_sharding"):
+        replacements["row_sharding"] = row_sharding
     return dataclasses.replace(task, **replacements) if replacements else task
+
+
+def _has_field(task: Any, name: str) -> bool:
+    return dataclasses.is_dataclass(task) and name in {f.name for f in dataclasses.fields(task)}
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Floating leaves of `tree` stored as `dtype`."""
+    if tree is None:
+        return None
+    import jax
+    import jax.numpy as jnp
+
+    target = jnp.dtype(dtype)
+    return jax.tree_util.tree_map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _place_state(objective: Any, state: Any, mesh_spec: Any, layout: Any):
+    """`state`'s weights placed as the Trainer places them, and the sharding of result rows."""
+    import jax
+    from flax import traverse_util
+
+    from dew.training import mesh as mesh_lib
+
+    layout = mesh_lib.Layout() if layout is None else layout
+    mesh = mesh_spec.build()
+    boxed = jax.eval_shape(objective.init, jax.random.key(0), None)  # shapes and logical names, no FLOPs
+    shardings = mesh_lib.tree_shardings(mesh_lib.unbox(boxed), mesh_lib.logical_names(boxed), layout, mesh)
+    by_path = traverse_util.flatten_dict(shardings, sep="/")
+    replicated = mesh_lib.replicated(mesh)
+
+    def place(tree: Any, prefix: str = "") -> Any:
+        flat = traverse_util.flatten_dict(tree, sep="/")
+        placed = {name: jax.device_put(value, by_path.get(prefix + name, replicated)) for name, value in flat.items()}
+        return traverse_util.unflatten_dict(placed, sep="/")
+
+    variables = place(state.variables)
+    ema = None if state.ema is None else place(state.ema, "params/")
+    return state.replace(variables=variables, ema=ema), mesh_lib.batch_sharding(mesh, 1)
+
+
+# --- published checkpoints ------------------------------------------------------------------------
+
+
+def _from_published(directory: Path, *, step, mesh, layout, dtype, param_dtype):
+    import jax
+    import jax.numpy as jnp
+
+    from dew.interop import Pretrained
+
+    if step is not None:
+        raise ValueError(f"step={step!r} picks one of a saved run's checkpoints; {directory} is a published checkpoint.")
+    options: dict[str, Any] = {}
+    if dtype is not None:
+        options["dtype"] = jnp.dtype(dtype)
+    if param_dtype == "auto":
+        options["param_dtype"] = "auto"
+    elif param_dtype is not None:
+        options["param_dtype"] = jnp.dtype(param_dtype)
+    bundle = Pretrained.load(directory, **options)
+    task = bundle.text_generation()
+    if mesh is None:
+        return task
+    from dew.training import mesh as mesh_lib
+
+    layout = mesh_lib.Layout() if layout is None else layout
+    built = mesh.build()
+    model = bundle.model
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    shardings = mesh_lib.tree_shardings(mesh_lib.unbox(boxed), mesh_lib.logical_names(boxed), layout, built)
+    variables = jax.device_put(dict(bundle.variables), {"params": shardings["params"]})
+    return dataclasses.replace(task, variables=variables, row_sharding=mesh_lib.batch_sharding(built, 1))

@@ -30,6 +30,7 @@ import numpy as np
 from flax.core import meta
 
 from dew.data.tokenizers import HFTokenizer
+from dew.hub import local_directory
 from dew.interop import families
 from dew.interop.families.llama import Weight
 from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
@@ -40,17 +41,33 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 
 
+# generation_config.json controls Dew's generate does not implement, with the value that leaves each off
+UNSUPPORTED_CONTROLS: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "max_time": None,
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "penalty_alpha": None,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "sequence_bias": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_new_tokens": (None, 0),
+    "min_length": (None, 0),
+    "stop_strings": None,
+}
+
+
 # --- reading a checkpoint directory ---------------------------------------------------------------
 
 
-def _checkpoint_dir(directory: str | Path) -> Path:
-    path = Path(directory).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"{str(directory)!r} is not a local checkpoint directory. Dew downloads nothing: fetch "
-            f"the files first (for example `hf download {directory} --local-dir DIR`) and pass DIR"
-        )
-    return path
+def _checkpoint_dir(directory: str | Path, revision: str | None = None) -> Path:
+    """A checkpoint directory: a local one, or a Hub repository's snapshot from the Hugging Face cache."""
+    return local_directory(directory, revision=revision, what="checkpoint")
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
@@ -267,11 +284,13 @@ class Pretrained:
     """
 
     @classmethod
-    def load(cls, directory: str | Path, **options: Any) -> "Pretrained":
-        """The bundle for the checkpoint in ``directory``; ``options`` go to the family's loader."""
-        config = read_config(directory)
-        families.decoder_family(config, str(Path(directory) / CONFIG_FILE))  # raises when unsupported
-        return PretrainedDecoder.load(directory, **options)
+    def load(cls, directory: str | Path, *, revision: str | None = None, **options: Any) -> "Pretrained":
+        """The bundle for the checkpoint in ``directory`` (or a Hub repository id, read from the
+        Hugging Face cache at ``revision``); ``options`` go to the family's loader."""
+        path = _checkpoint_dir(directory, revision)
+        config = read_config(path)
+        families.decoder_family(config, str(path / CONFIG_FILE))  # raises when unsupported
+        return PretrainedDecoder.load(path, **options)
 
     def save(self, directory: str | Path, variables: Mapping[str, Any] | None = None, *,
              overwrite: bool = False) -> Path:
@@ -309,15 +328,20 @@ class PretrainedDecoder(Pretrained):
         scan_layers: bool = False,
         remat: str | None = None,
         attention_impl: str = "auto",
+        revision: str | None = None,
     ) -> "PretrainedDecoder":
-        """Read a decoder checkpoint directory (config.json + model.safetensors or a sharded index).
+        """Read a decoder checkpoint directory (config.json + model.safetensors or a sharded index),
+        or a Hub repository id from the Hugging Face cache (``revision``: a branch, tag or commit).
 
         ``dtype`` is the compute dtype, ``param_dtype`` the dtype the weights are stored in (the
-        checkpoint's tensors are cast to it). ``max_seq_len`` overrides the checkpoint's
-        max_position_embeddings (RoPE scaling still reads the checkpoint's context).
+        checkpoint's tensors are cast to it; "auto" keeps config.json's dtype). ``max_seq_len``
+        overrides the checkpoint's max_position_embeddings (RoPE scaling still reads the
+        checkpoint's context).
         """
-        path = _checkpoint_dir(directory)
+        path = _checkpoint_dir(directory, revision)
         config = read_config(path)
+        if isinstance(param_dtype, str) and param_dtype == "auto":
+            param_dtype = jnp.dtype(config.get("torch_dtype") or config.get("dtype") or "float32")
         family = families.decoder_family(config, str(path / CONFIG_FILE))
         if config.get("auto_map"):
             warnings.warn(
@@ -363,19 +387,25 @@ class PretrainedDecoder(Pretrained):
                    generation_config=None if generation_config is None else dict(generation_config))
 
     @classmethod
-    def from_run(cls, run: str | Path, *, step: int | None = None, averaged: bool = True) -> "PretrainedDecoder":
+    def from_run(cls, run: str | Path, *, step: int | None = None, ema: bool = True) -> "PretrainedDecoder":
         """Wrap a saved Dew run (run.json beside its checkpoints) for export.
 
         The model is rebuilt from the record, the weights are those of `step` (the latest by
-        default; the EMA copy when `averaged` and the run kept one), and the run's tokenizer and
-        sampling defaults come along.
+        default; the EMA copy when `ema`, which raises when the run keeps none), and the run's
+        tokenizer and sampling defaults come along.
         """
-        from dew.inference.pipeline import pipeline  # a run is read by the layer above
+        from dew.config.saved import load_run  # a run record sits in the layer below interop
 
-        task = pipeline(run, step=step, averaged=averaged)
-        if not isinstance(getattr(task, "model", None), CausalTransformer):
-            raise ValueError(f"{run} is not a decoder run (its task is {type(task).__name__}).")
-        sampling = getattr(task, "sampling", None)
+        saved = load_run(run, step=step)
+        model = saved.config.model.build()
+        if not isinstance(model, CausalTransformer):
+            raise ValueError(f"{run} is not a decoder run (its model is {type(model).__name__}); export reads decoders.")
+        state = saved.state()
+        if ema and state.ema is None:
+            raise ValueError(f"ema=True asks for {run}'s moving-average weights, but the run keeps no EMA copy; pass ema=False (dew export --live).")
+        variables = state.averaged if ema else state.variables
+        variables = {name: value for name, value in variables.items() if name == "params"}  # never a DPO reference
+        sampling = saved.config.sampling
         generation_config = None
         if sampling is not None:
             generation_config = {"do_sample": sampling.temperature > 0}
@@ -384,8 +414,7 @@ class PretrainedDecoder(Pretrained):
             for name in ("top_k", "top_p", "min_p"):
                 if getattr(sampling, name) is not None:
                     generation_config[name] = getattr(sampling, name)
-        return cls.from_model(task.model, task.variables, tokenizer=task.tokenizer,
-                              generation_config=generation_config)
+        return cls.from_model(model, variables, tokenizer=saved.tokenizer(), generation_config=generation_config)
 
     # --- use ------------------------------------------------------------------------------------
 
@@ -413,12 +442,29 @@ class PretrainedDecoder(Pretrained):
         return Sampling(**options)
 
     def text_generation(self, sampling: Any = None) -> Any:
-        """A TextGeneration task over these weights, with the tokenizer and the checkpoint's defaults."""
-        from dew.inference.text import TextGeneration  # interop sits below inference; import on use
+        """A TextGeneration task over these weights, with the tokenizer and the checkpoint's defaults:
+        its sampling, budget (max_new_tokens, or max_length) and continuations per prompt.
 
+        Raises when generation_config.json turns on a control Dew does not implement (a repetition
+        penalty, wall-clock stopping, beam search, ...), rather than generating without it.
+        """
+        from dew.inference.text import TextGeneration  # the tasks layer sits below interop
+
+        generation = dict(self.generation_config or {})
+        active = {name: generation[name] for name, off in UNSUPPORTED_CONTROLS.items()
+                  if generation.get(name) is not None and generation[name] not in (off if isinstance(off, tuple) else (off,))}
+        if active:
+            raise ValueError(
+                f"generation_config.json sets {active}, which Dew's generate does not implement, so its "
+                "defaults cannot be followed. Build the task yourself: TextGeneration(bundle.model, "
+                "bundle.variables, sampling=..., processor=bundle.tokenizer)."
+            )
         return TextGeneration(self.model, self.variables,
                               sampling=self.default_sampling() if sampling is None else sampling,
-                              tokenizer=self.tokenizer)
+                              processor=self.tokenizer,
+                              max_new_tokens=generation.get("max_new_tokens"),
+                              max_length=None if generation.get("max_new_tokens") else generation.get("max_length"),
+                              n=generation.get("num_return_sequences") or 1)
 
     # --- out ------------------------------------------------------------------------------------
 

@@ -85,6 +85,10 @@ class InputSpec:
     def __repr__(self) -> str:
         return f"InputSpec({', '.join(map(repr, self.fields))}, conditions={self.conditions!r})"
 
+    def __record__(self) -> tuple[tuple[Field, ...], dict[str, Any]]:
+        """How a run record rebuilds this spec: ``InputSpec(*fields, conditions=...)``."""
+        return self.fields, {"conditions": self.conditions}
+
     def all_fields(self) -> tuple[Field, ...]:
         return self.fields + tuple(self.conditions.values())
 
@@ -144,6 +148,27 @@ class Objective:
         """Adjust variables after each optimizer update (a target encoder's EMA, say). Pure."""
         return variables
 
-    def pipeline(self, state):
-        """An inference task over the trained state (objectives that generate override this)."""
-        raise NotImplementedError(f"{type(self).__name__} has no inference pipeline.")
+    #: What to use instead of a generation task, for objectives that have none (said in the error).
+    no_task_hint: str = "use the trained variables directly (state.variables, or Checkpoints.restore_variables)"
+
+    def pipeline(self, state, *, ema: bool = True, processor: Any = None):
+        """The inference task over a trained state. Objectives that generate override this."""
+        raise TypeError(
+            f"{type(self).__name__} runs have no generation task, so they have no pipeline; "
+            f"{self.no_task_hint}."
+        )
+
+
+def inference_variables(state: Any, ema: bool) -> Variables:
+    """The variables a task publishes: the EMA weights over the live ones when `ema`, else the live.
+
+    ``ema=True`` on a state without an EMA copy raises rather than silently using the live weights.
+    """
+    if not ema:
+        return state.variables
+    if state.ema is None:
+        raise ValueError(
+            "ema=True asks for the moving-average weights, but this run keeps no EMA copy (its "
+            "objective's ema_decay is None). Pass ema=False for the live weights."
+        )
+    return state.averaged

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.diffusion.presets import as_process
-from dew.objectives.base import Aux, InputSpec, Objective
+from dew.inference.image import TextToImage
+from dew.objectives.base import Aux, InputSpec, Objective, inference_variables
 from dew.tracking.records import Artifact
 
 
@@ -161,14 +162,21 @@ class DiffusionObjective(Objective):
             outputs["images"] = real.astype(jnp.float32) / 127.5 - 1.0 if real.dtype == jnp.uint8 else real
         return outputs
 
-    def pipeline(self, state):
-        """A TextToImage task over the trained state (its EMA weights when it keeps them)."""
-        variables = state.averaged if state.ema is not None else state.variables
-        return self.task(variables)
+    def settings(self) -> dict[str, Any]:
+        """What a run record keeps to rebuild this objective around its model."""
+        return {"process": self.preset, "inputs": self.inputs, "ema_decay": self.ema_decay,
+                "unconditional_prob": self.unconditional_prob, "autoencoder": self.autoencoder,
+                "preview_count": self.preview_count, "preview_steps": self.preview_steps,
+                "evaluation_steps": self.evaluation_steps}
 
-    def task(self, variables):
-        from dew.inference.image import TextToImage
+    def pipeline(self, state, *, ema: bool = True, processor: Any = None) -> TextToImage:
+        """A TextToImage task over the trained state (EMA weights when `ema`, raising without)."""
+        if processor is not None:
+            raise ValueError("A diffusion task conditions on labels or encoders, not a text processor; drop processor=.")
+        return self.task(inference_variables(state, ema))
 
+    def task(self, variables) -> TextToImage:
+        """A TextToImage task over `variables`."""
         return TextToImage(
             model=self.model,
             variables=variables,

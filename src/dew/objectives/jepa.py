@@ -220,6 +220,11 @@ class JepaObjective(Objective):
     "label" when the batch has it, for KnnProbe and LinearProbe.
     """
 
+    no_task_hint = (
+        "its product is the encoder: read its weights with Checkpoints(run).restore_variables() and "
+        "score or use its features with KnnProbe / LinearProbe (dew.eval.probes)"
+    )
+
     def __init__(
         self,
         encoder: JepaEncoder,

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Aux, Field, InputSpec, Objective
+from dew.inference.text import TextGeneration
+from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 from dew.sampling.text import Sampling, generate
 from dew.tracking.records import Artifact
 
@@ -121,7 +122,10 @@ class LMObjective(Objective):
 
     def settings(self) -> dict[str, Any]:
         """What a run record keeps to rebuild this objective around its model."""
-        return {"seq_len": self.seq_len, "loss_role": self.loss_role, "ema_decay": self.ema_decay}
+        settings = {"seq_len": self.seq_len, "loss_role": self.loss_role, "ema_decay": self.ema_decay}
+        if self.samples is not None:  # the preview's policy and budget, prompt as ids (the run keeps the tokenizer)
+            settings["samples"] = dataclasses.replace(self.samples, prompt=self.samples.prompt_ids(), tokenizer=None)
+        return settings
 
     def init(self, key, variables=None):
         if variables is not None:
@@ -194,14 +198,23 @@ class LMObjective(Objective):
             lines = [" ".join(str(int(t)) for t in samples.prompt_ids() + list(row)) for row in rows]
         return [Artifact("samples", "text", "\n".join(lines))]
 
-    def policy(self, variables, sampling: Sampling = Sampling()):
+    def policy(self, variables, sampling: Sampling = Sampling(), *, processor: Any = None) -> TextGeneration:
         """A TextGeneration task over `variables` (the rollout policy in post-training)."""
-        from dew.inference.text import TextGeneration
+        return TextGeneration(self.model, variables, sampling=sampling,
+                              processor=processor if processor is not None else self.tokenizer)
 
-        return TextGeneration(self.model, variables, sampling=sampling, tokenizer=self.tokenizer)
+    def pipeline(self, state, *, ema: bool = True, processor: Any = None,
+                 sampling: Sampling | None = None) -> TextGeneration:
+        """The TextGeneration task over a trained state.
 
-    def pipeline(self, state, sampling: Sampling = Sampling(temperature=0.0)):
-        """A TextGeneration task over a trained state (its EMA weights when it keeps them)."""
-        variables = state.averaged if state.ema is not None else state.variables
-        return self.policy(variables, sampling)
+        Weights: the EMA copy when `ema` (raising when the run keeps none), else the live ones.
+        The policy and budget come from the objective's `samples` preview when it has one (greedy,
+        no default budget otherwise); `processor` lets a token-only run take strings.
+        """
+        samples = self.samples
+        chosen = sampling if sampling is not None else samples.sampling if samples else Sampling(temperature=0.0)
+        task = self.policy(inference_variables(state, ema), chosen, processor=processor)
+        if samples is not None:
+            task = dataclasses.replace(task, max_new_tokens=samples.max_new_tokens, n=samples.n)
+        return task
 

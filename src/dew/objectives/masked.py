@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.diffusion.discrete import MaskedDiffusion, as_masked_process
-from dew.objectives.base import Aux, Field, InputSpec, Objective
+from dew.inference.masked import MaskedGeneration
+from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 
 
 class MaskedDiffusionObjective(Objective):
@@ -54,8 +55,7 @@ class MaskedDiffusionObjective(Objective):
         self.inputs = InputSpec(Field("text", (seq_len,)))
 
     def settings(self) -> dict[str, Any]:
-        return {"seq_len": self.seq_len, "mask_id": self.process.mask_id, "eps": self.process.eps,
-                "ema_decay": self.ema_decay}
+        return {"process": self.process, "seq_len": self.seq_len, "ema_decay": self.ema_decay}
 
     def init(self, key, variables=None):
         if variables is not None:
@@ -103,8 +103,7 @@ class MaskedDiffusionObjective(Objective):
         return self.process.generate(self.model, variables, prompts, length, key=key, steps=steps,
                                      temperature=temperature)
 
-    def pipeline(self, state, steps: int = 64):
-        from dew.inference.masked import MaskedGeneration
-
-        variables = state.averaged if state.ema is not None else state.variables
-        return MaskedGeneration(self.model, variables, self.process, tokenizer=self.tokenizer, steps=steps)
+    def pipeline(self, state, *, ema: bool = True, processor: Any = None, steps: int = 64) -> MaskedGeneration:
+        """A MaskedGeneration task over a trained state (EMA weights when `ema`, raising without)."""
+        return MaskedGeneration(self.model, inference_variables(state, ema), self.process,
+                                processor=processor if processor is not None else self.tokenizer, steps=steps)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew import rl
-from dew.objectives.base import Aux, Field, InputSpec, Objective
+from dew.inference.text import TextGeneration
+from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 from dew.objectives.lm import decoder_parts
 from dew.sampling.text import Sampling
 
@@ -129,16 +130,16 @@ class _PolicyObjective(Objective):
                     f"model's vocabulary has {vocab} ids. Tokenize with the model's tokenizer."
                 )
 
-    def policy(self, variables, sampling: Sampling = Sampling()):
-        """A TextGeneration task over the policy weights (the rollout policy)."""
-        from dew.inference.text import TextGeneration
-
+    def policy(self, variables, sampling: Sampling = Sampling(), *, processor: Any = None) -> TextGeneration:
+        """A TextGeneration task over the policy weights (the rollout policy); never the reference."""
         return TextGeneration(self.model, self.policy_variables(variables), sampling=sampling,
-                              tokenizer=self.tokenizer)
+                              processor=processor if processor is not None else self.tokenizer)
 
-    def pipeline(self, state, sampling: Sampling = Sampling(temperature=0.0)):
-        variables = state.averaged if state.ema is not None else state.variables
-        return self.policy(variables, sampling)
+    def pipeline(self, state, *, ema: bool = True, processor: Any = None,
+                 sampling: Sampling | None = None) -> TextGeneration:
+        """The trained policy as a TextGeneration task (greedy unless `sampling`); the frozen
+        reference is never published. `ema` picks the policy's EMA copy as for a plain LM."""
+        return self.policy(inference_variables(state, ema), sampling or Sampling(temperature=0.0), processor=processor)
 
 
 class DPOObjective(_PolicyObjective):

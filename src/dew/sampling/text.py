@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.data.tokens import prompt_rows
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -89,10 +91,33 @@ class Generation:
     terminated: jax.Array
     behavior_log_probs: jax.Array
     raw_log_probs: jax.Array
+    processor: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    real_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def rows(self) -> int:
+        """This process's real rows: its prompts times the continuations of each (filler rows left out)."""
+        return self.tokens.shape[0] if self.real_rows is None else self.real_rows
 
     def host(self) -> "Generation":
-        """The same result as NumPy arrays on the host."""
-        return jax.tree_util.tree_map(np.asarray, self)
+        """This process's real rows as NumPy arrays on the host (filler rows dropped)."""
+        rows = self.rows
+        return jax.tree_util.tree_map(lambda a: np.asarray(a)[:rows], self)
+
+    @property
+    def text(self) -> list[str]:
+        """One string per real row, decoded by the task's processor the first time it is read."""
+        cached = self.__dict__.get("_text")
+        if cached is None:
+            if self.processor is None:
+                raise ValueError(
+                    "This Generation has no processor to decode it: the task that drew it took token "
+                    "ids only. Read .tokens, or build the task with a processor (RunProcessor(tokenizer))."
+                )
+            host = self.host()
+            cached = self.processor.decode(host.tokens, host.lengths, host.terminated)
+            object.__setattr__(self, "_text", cached)
+        return cached
 
 
 # --- choosing a token ----------------------------------------------------------------------------
@@ -266,37 +291,9 @@ def decoding_variables(model: Any, variables: Any, rows: int) -> Any:
 # --- the public entry point ----------------------------------------------------------------------
 
 
-def _prompt_rows(prompts: Any) -> list[np.ndarray]:
-    """Prompts as a list of 1-D integer arrays (a 2-D array is one prompt per row)."""
-    if isinstance(prompts, (np.ndarray, jax.Array)):
-        array = np.asarray(prompts)
-        if array.ndim == 1:
-            array = array[None]
-        if array.ndim != 2:
-            raise ValueError(
-                f"prompts must be a list of token-id lists or a [batch, length] array, got shape {array.shape}"
-            )
-        rows = list(array)
-    elif isinstance(prompts, (str, bytes)):
-        raise TypeError(
-            "generate takes token ids, not text; tokenize the prompt first (or use TextGeneration with a tokenizer)"
-        )
-    else:
-        rows = [np.asarray(row) for row in prompts]
-    if not rows:
-        raise ValueError("prompts is empty: pass at least one prompt")
-    for i, row in enumerate(rows):
-        if row.ndim != 1:
-            raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {row.shape}")
-        if row.size == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        if not np.issubdtype(row.dtype, np.integer):
-            raise ValueError(f"prompt {i} must hold integer token ids, got dtype {row.dtype}")
-    return rows
-
-
-def _bucket(length: int, limit: int) -> int:
-    """The padded prompt length: the next power of two (at least 8), capped at `limit`."""
+def padded_width(length: int, limit: int) -> int:
+    """The padded prompt width for a longest prompt of `length` tokens: the next power of two
+    (at least 8), capped at `limit`. Prompts are padded so new lengths rarely recompile."""
     return min(max(8, 1 << (length - 1).bit_length()), limit)
 
 
@@ -331,7 +328,7 @@ def generate(
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
     max_new_tokens, n = int(max_new_tokens), int(n)
-    rows = _prompt_rows(prompts)
+    rows = prompt_rows(prompts)
     for i, row in enumerate(rows):
         try:
             check_tokens(row, model.vocab_size)
@@ -346,7 +343,7 @@ def generate(
             "shorten the prompt or ask for fewer tokens"
         )
 
-    padded_len = _bucket(longest, model.max_seq_len)
+    padded_len = padded_width(longest, model.max_seq_len)
     # the padded prompt plus every drawn token but the last, which is never fed back
     cache_len = min(padded_len + max_new_tokens - 1, model.max_seq_len)
     tokens = np.zeros((len(rows), padded_len), np.int32)
