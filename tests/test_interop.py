@@ -423,7 +423,7 @@ def test_missing_files_are_named(tmp_path):
     (directory / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         PretrainedDecoder.load(directory)
-    with pytest.raises(FileNotFoundError, match="Dew downloads nothing"):
+    with pytest.raises(FileNotFoundError, match="Llama-3.2-1B' could not be read from the cache"):
         Pretrained.load("meta-llama/Llama-3.2-1B")
     directory = copy_fixture("qwen3", tmp_path)
     (directory / "model.safetensors").unlink()

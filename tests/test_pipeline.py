@@ -7,7 +7,6 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import dew

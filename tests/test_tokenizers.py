@@ -117,10 +117,12 @@ def test_the_tool_regenerates_the_committed_tiny_tools_files(tmp_path):
         assert (tmp_path / name).read_bytes() == (TINY_TOOLS / name).read_bytes(), name
 
 
-def test_hf_tokenizer_refuses_a_hub_name_and_downloads_nothing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="downloads nothing") as error:
+def test_hf_tokenizer_names_what_it_tried_for_a_source_it_cannot_find(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a local directory, and not a Hub repository id") as error:
         HFTokenizer("gpt2")
-    assert "tokenizer.json" in str(error.value) and "'gpt2'" in str(error.value)
+    assert "'gpt2'" in str(error.value)
+    with pytest.raises(FileNotFoundError, match="'acme/none' could not be read from the cache .*HF_HUB_OFFLINE"):
+        HFTokenizer("acme/none")  # offline, and not in the test session's empty cache
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         HFTokenizer(tmp_path)  # a directory, but no tokenizer files in it
 
@@ -129,9 +131,9 @@ def test_load_tokenizer_takes_byte_or_a_directory_and_names_both_when_given_neit
     assert isinstance(load_tokenizer("byte"), ByteTokenizer)
     assert isinstance(load_tokenizer(str(TINY_TOOLS)), HFTokenizer)
     assert load_tokenizer(tiny) is tiny
-    with pytest.raises(ValueError, match=r"'bytes'.*'byte' or a local directory holding tokenizer.json"):
+    with pytest.raises(ValueError, match=r"'bytes'.*'byte', a local directory holding tokenizer.json, or a Hub"):
         load_tokenizer("bytes")
-    with pytest.raises(ValueError, match="downloads nothing"):
+    with pytest.raises(FileNotFoundError, match="could not be read from the cache"):
         load_tokenizer("Qwen/Qwen3-0.6B")
 
 

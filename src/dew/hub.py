@@ -58,6 +58,6 @@ def local_directory(
         raise FileNotFoundError(
             f"{str(source)!r} is not a local directory, and the Hub repository {str(source)!r}{pinned} "
             f"could not be read from the cache at {constants.HF_HUB_CACHE}{offline}: "
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. Download it "
+            f"{type(error).__name__}: {str(error).splitlines()[0].rstrip('.') if str(error) else ''}. Download it "
             f"first (`hf download {source}`) or pass a local {what} directory."
         ) from None

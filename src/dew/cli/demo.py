@@ -75,13 +75,13 @@ def lm_part(out: Path, steps: int) -> None:
     print(f"== language model: a byte-level decoder on Python's help topics ({steps} steps)")
     run, trainer, _ = train_decoder(out, steps=steps)
     scores = trainer.evaluations[-1].scores
-    task = dew.pipeline(run)  # rebuilt from run.json and the checkpoint alone
+    task = dew.pipeline(run, ema=False)  # rebuilt from run.json and the checkpoint alone (no EMA kept)
     prompt = "The return statement"
     drawn = task([prompt], 100, key=jax.random.key(0))
     print(f"\nvalidation loss {scores['val/loss']:.3f} nats/byte, perplexity {scores['val/perplexity']:.2f}")
     print(f"run saved in {run}/ (run.json, checkpoint, tracking/plots)")
     print(f"\ngreedy continuation of {prompt!r}:\n")
-    print(prompt + task.decode(drawn)[0])
+    print(prompt + drawn.text[0])
     print()
 
 

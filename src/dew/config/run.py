@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from dew.config.records import from_record, import_path, resolve, to_record
+from dew.files import staged_directory, write_atomic
 
 RUN_FILE = "run.json"
 FORMAT = "dew.run"
@@ -147,11 +147,7 @@ class RunConfig:
                 record[field.name] = {f.name: to_record(getattr(value, f.name)) for f in dataclasses.fields(value)}
             else:
                 record[field.name] = to_record(value)
-        path = directory / RUN_FILE
-        partial = directory / (RUN_FILE + ".partial")
-        partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        os.replace(partial, path)
-        return path
+        return write_atomic(directory / RUN_FILE, json.dumps(record, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> RunConfig:
@@ -198,10 +194,6 @@ def _store_tokenizer(tokenizer: Any, directory: Path) -> str:
     tokenizer = load_tokenizer(tokenizer)
     if tokenizer.describe() == "byte":
         return "byte"
-    target = directory / "tokenizer"
-    partial = directory / "tokenizer.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenizer.save(partial)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(partial, target)
+    with staged_directory(directory / "tokenizer") as staging:
+        tokenizer.save(staging)
     return "tokenizer"

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +28,7 @@ import numpy as np
 from flax.core import meta
 
 from dew.data.tokenizers import HFTokenizer
+from dew.files import staged_directory
 from dew.hub import local_directory
 from dew.interop import families
 from dew.interop.families.llama import Weight
@@ -522,18 +521,12 @@ class PretrainedDecoder(Pretrained):
         generation = dict(self.generation_config or {})
         generation.update({k: v for k, v in _token_ids(self.tokenizer).items() if k not in generation})
 
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
-        try:
+        with staged_directory(dest) as staging:
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             save_file(tensors, staging / SINGLE_FILE, metadata={"format": "pt"})
             (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
             if self.tokenizer is not None:
                 self.tokenizer.save(staging)
-            _move_into_place(staging, dest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         return dest
 
     def _hf_tensors(self, params: Mapping[str, Any], dtype: Any,
@@ -554,23 +547,3 @@ class PretrainedDecoder(Pretrained):
                 array = array.astype(jnp.dtype(dtype))
             tensors[weight.hf] = np.ascontiguousarray(array)
         return tensors
-
-
-def _move_into_place(staging: Path, dest: Path) -> None:
-    """Rename the finished staging directory to ``dest``, replacing what is there."""
-    if not dest.exists():
-        staging.rename(dest)
-        return
-    if not any(dest.iterdir()):
-        dest.rmdir()
-        staging.rename(dest)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent))
-    old.rmdir()
-    dest.rename(old)
-    try:
-        staging.rename(dest)
-    except BaseException:
-        old.rename(dest)  # put the previous export back
-        raise
-    shutil.rmtree(old, ignore_errors=True)

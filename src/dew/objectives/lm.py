@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
 from dew.inference.text import TextGeneration
 from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 from dew.sampling.text import Sampling, generate
@@ -79,8 +80,7 @@ def decoder_parts(model: Any, seq_len: int, variables: Any, tokenizer: Any) -> t
         variables = model.variables if variables is None else variables
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         model = model.model
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
+    seq_len = count(seq_len, "seq_len")
     limit = getattr(model, "max_seq_len", None)
     if limit is not None and seq_len > limit:
         raise ValueError(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
 from dew.diffusion.discrete import MaskedDiffusion, as_masked_process
 from dew.inference.masked import MaskedGeneration
 from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
@@ -28,8 +29,7 @@ class MaskedDiffusionObjective(Objective):
                  variables: Mapping[str, Any] | None = None, ema_decay: float | None = None,
                  tokenizer: Any = None):
         process = as_masked_process(process)
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
+        seq_len = count(seq_len, "seq_len")
         vocab = getattr(model, "vocab_size", None)
         if vocab is not None and process.mask_id >= vocab:
             raise ValueError(

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
 from dew import rl
 from dew.inference.text import TextGeneration
 from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
@@ -274,8 +275,7 @@ class SampledRollout:
             raise TypeError(f"reward must be callable as reward(data_source, completion, ground_truth, extra_info); got {reward!r}.")
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
             raise ValueError(f"groups must be an int >= 2 (advantages compare responses to one prompt); got {groups!r}.")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}.")
+        max_new_tokens = count(max_new_tokens, "max_new_tokens")
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling; got {type(sampling).__name__}.")
         if decode is None:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
 from dew.data.tokens import prompt_rows
 
 
@@ -59,8 +60,7 @@ class Sampling:
         object.__setattr__(self, "eos_token_ids", eos)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k}")
+        object.__setattr__(self, "top_k", count(self.top_k, "top_k", optional=True))
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
@@ -321,13 +321,9 @@ def generate(
     """
     from dew.nn.backbones.causal_transformer import check_tokens  # nn is the layer below
 
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if isinstance(n, bool) or int(n) != n or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+    max_new_tokens, n = count(max_new_tokens, "max_new_tokens"), count(n, "n")
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
-    max_new_tokens, n = int(max_new_tokens), int(n)
     rows = prompt_rows(prompts)
     for i, row in enumerate(rows):
         try:
