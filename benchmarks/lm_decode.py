@@ -5,7 +5,10 @@ vocab 8192, tied embeddings, float32; about 29M parameters) is built with transf
 seed, written with `save_pretrained` to a temporary directory and read back by Dew with
 `PretrainedDecoder.load`, so both decode the very same weights. Each side continues 16-token random
 prompts by 128 greedy tokens, with no end-of-sequence token, at batch 1 and batch 8: Dew with
-`generate(..., sampling=Sampling(temperature=0.0))`, transformers with
+`generate(..., sampling=Sampling(temperature=0.0))` on the model and weights that
+`dew.inference.decode_layout.DecodeWeights.get(rows)` gives for the batch, as `TextGeneration` does
+(the CPU decode layout for one row, converted once, in the compiling call; the weights as loaded
+for several), transformers with
 `model.generate(do_sample=False, use_cache=True)` under `torch.inference_mode()`.
 
 For each batch size it reports tokens/s of each (new tokens over the wall time of one whole call,
@@ -47,10 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.inference.decode_layout import DecodeWeights, transposed_product
 from dew.interop import PretrainedDecoder
-from dew.nn.backbones.causal_transformer import transposed_product
 from dew.sampling import Sampling, generate
-from dew.sampling.text import decoding_variables
 from common import cores
 
 CONFIG = dict(
@@ -107,9 +109,9 @@ def matmul_floor(params, batch: int, new: int):
     the decoder has them), fed through the scale-free RMS norms the decoder puts before the
     q/k/v, gate/up and head products (XLA fuses them into those products), with no attention or
     sampling. `params` are in the layout Dew
-    decodes this batch from (`dew.sampling.text.decoding_variables`: fused q/k/v and gate/up and
-    [out, in] kernels for one row, the training layout otherwise), in the same forms, so the floor
-    counts the same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
+    decodes this batch from (`DecodeWeights.get(batch)`: fused q/k/v and gate/up and [out, in]
+    kernels for one row, the training layout otherwise), in the same forms, so the floor counts the
+    same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
     """
     layers = sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
     blocks = [{"attn": params[layer]["self_attn"], "mlp": params[layer]["mlp"]} for layer in layers]
@@ -186,6 +188,7 @@ def main() -> None:
         hf_model = build_checkpoint(directory)
         bundle = PretrainedDecoder.load(directory, dtype=jnp.float32)
     model, variables = bundle.model, bundle.variables
+    weights = DecodeWeights(model, variables)  # what TextGeneration holds for its weights
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(variables["params"]))
     hf_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
     bound = bandwidth / weight_bytes  # batch-1 tokens/s if every weight is read once per token
@@ -196,7 +199,8 @@ def main() -> None:
 
     def dew_call(rows, tokens):
         start = time.perf_counter()
-        out = generate(model, variables, rows, tokens, key=key, sampling=greedy)
+        decoder, decoder_variables = weights.get(len(rows))
+        out = generate(decoder, decoder_variables, rows, tokens, key=key, sampling=greedy)
         jax.block_until_ready(out.tokens)
         return time.perf_counter() - start, np.asarray(out.tokens)
 
@@ -216,7 +220,7 @@ def main() -> None:
         _, dew_tokens = dew_call(rows, new)  # compile
         dew_call(rows, 1)  # compile the prefill-only call
         _, hf_tokens = hf_call(rows)  # warm-up
-        floor_call = matmul_floor(decoding_variables(model, variables, batch)["params"], batch, new)
+        floor_call = matmul_floor(weights.get(batch)[1]["params"], batch, new)
         dew_times, prefill_times, floor_times, hf_times = [], [], [], {n: [] for n in thread_counts}
         for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both
             for n in thread_counts:
@@ -244,6 +248,7 @@ def main() -> None:
                 f"greedy, prompt {PROMPT_LEN} + {new} new tokens, batch {batch}, no EOS"
             ),
             "batch": batch,
+            "dew_model": type(weights.get(batch)[0]).__name__,  # DecodeTransformer: the decode layout
             "dew_tokens_per_s": round(dew_rate, 1),
             "transformers_tokens_per_s": round(hf_rate[best], 1),
             "transformers_tokens_per_s_by_threads": {str(n): round(r, 1) for n, r in hf_rate.items()},

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn.backbones.causal_transformer import CausalTransformer, check_tokens, decode_layout
+from dew.nn.backbones.causal_transformer import CausalTransformer, check_tokens
 from dew.nn.backbones.layer_plan import LayerKind, resolve_layer_plan
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies
 
@@ -75,50 +75,6 @@ def test_cached_decoding_matches_a_full_forward_pass(base, scan_layers):
         pieces.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 12])
-
-
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_the_decode_layout_computes_the_same_function(scan_layers):
-    model = _model(scan_layers=scan_layers, attention_bias=True, mlp_bias=True, emb_features=32, num_heads=4)
-    variables = _init(model)
-    # biases start at zero; random ones check that they travel with their kernels
-    leaves, treedef = jax.tree_util.tree_flatten(variables)
-    noise = np.random.default_rng(3)
-    variables = jax.tree_util.tree_unflatten(
-        treedef, [x + 0.05 * noise.standard_normal(x.shape).astype(np.float32) for x in leaves])
-    converted = decode_layout(variables)
-
-    layer = converted["params"]["layers" if scan_layers else "layers_0"]
-    assert {"qkv_proj", "o_proj"} <= set(layer["self_attn"]) and "q_proj" not in layer["self_attn"]
-    for projection in (layer["self_attn"]["qkv_proj"], layer["self_attn"]["o_proj"],
-                       layer["mlp"]["gate_up_proj"], layer["mlp"]["down_proj"]):
-        assert set(projection) == {"kernel_t", "bias"}
-    assert {"gate_up_proj", "down_proj"} <= set(layer["mlp"]) and "gate_proj" not in layer["mlp"]
-    original = variables["params"]["layers" if scan_layers else "layers_0"]["mlp"]["down_proj"]["kernel"]
-    np.testing.assert_array_equal(np.swapaxes(np.asarray(original), -1, -2),
-                                  np.asarray(layer["mlp"]["down_proj"]["kernel_t"]))
-
-    tokens = _tokens()
-    full = np.asarray(_run(model, variables, tokens))
-    np.testing.assert_allclose(np.asarray(_run(model, converted, tokens)), full, atol=1e-5, rtol=1e-5)
-    cache = model.init_cache(2, 16)
-    logits, cache = _run(model, converted, tokens[:, :11], cache=cache)
-    logits, cache = _run(model, converted, tokens[:, 11:], cache=cache)
-    np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, 11], atol=1e-5, rtol=1e-5)
-
-    # negative control: a square o_proj kernel stored untransposed under kernel_t is caught
-    attention = dict(layer["self_attn"], o_proj=dict(layer["self_attn"]["o_proj"],
-                                                     kernel_t=jnp.swapaxes(layer["self_attn"]["o_proj"]["kernel_t"], -1, -2)))
-    broken = {"params": {**converted["params"],
-                         ("layers" if scan_layers else "layers_0"): dict(layer, self_attn=attention)}}
-    assert np.abs(np.asarray(_run(model, broken, tokens)) - full).max() > 1e-3
-    # and a fused gate/up kernel (a widening product, computed in the other form) with its
-    # gate and up halves swapped
-    gate_up = layer["mlp"]["gate_up_proj"]
-    swapped = jnp.concatenate(jnp.split(gate_up["kernel_t"], 2, axis=-2)[::-1], axis=-2)
-    mlp = dict(layer["mlp"], gate_up_proj=dict(gate_up, kernel_t=swapped))
-    broken = {"params": {**converted["params"], ("layers" if scan_layers else "layers_0"): dict(layer, mlp=mlp)}}
-    assert np.abs(np.asarray(_run(model, broken, tokens)) - full).max() > 1e-3
 
 
 def test_the_cache_holds_per_layer_keys_and_values_in_shared_slots():

@@ -1,7 +1,6 @@
 """generate / Sampling / TextGeneration: greedy parity, per-row keys, ragged rows, EOS, log-probs."""
 
 import dataclasses
-import gc
 
 import flax.linen as nn
 import jax
@@ -245,27 +244,3 @@ def test_a_scanned_decoder_generates_what_the_unscanned_one_does(lm):
                    n=2).host()
     np.testing.assert_array_equal(got.tokens[::2], want.tokens)
     np.testing.assert_array_equal(got.tokens[1::2], want.tokens)
-
-
-def test_one_row_decodes_from_the_decode_layout_converted_once(lm, forward):
-    model, variables = lm
-    converted = text_module.decoding_variables(model, variables, 1)
-    assert "qkv_proj" in converted["params"]["layers_0"]["self_attn"]
-    assert "kernel_t" in converted["params"]["layers_0"]["mlp"]["down_proj"]
-    assert text_module.decoding_variables(model, variables, 1) is converted  # kept, not redone
-    assert text_module.decoding_variables(model, variables, 2) is variables  # several rows: as given
-
-    # what one row generates from the converted weights is what full forward passes choose
-    result = generate(model, variables, [PROMPTS[1]], 6, key=KEY, sampling=Sampling(temperature=0.0))
-    sequence = list(PROMPTS[1])
-    for t in range(6):
-        sequence.append(int(np.argmax(forward(sequence))))
-        assert int(result.tokens[0, t]) == sequence[-1]
-
-    # the kept copy goes away with the weights it was made from
-    copy = jax.tree_util.tree_map(jnp.copy, variables)
-    text_module.decoding_variables(model, copy, 1)
-    assert len(text_module._DECODE_VARIABLES) == 1
-    del copy
-    gc.collect()
-    assert not text_module._DECODE_VARIABLES

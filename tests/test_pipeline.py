@@ -302,3 +302,16 @@ def test_seed_and_key_are_exclusive_and_text_is_decoded_once():
         task("ab", 3, seed=0, n=0)
     other = jax.tree_util.tree_map(lambda a: a + 1.0, variables)
     assert task.bind(other).variables is other and task.variables is variables
+    assert task.bind(other).weights is not task.weights  # a bound task converts its own weights
+
+
+def test_one_row_decodes_through_the_decode_layout_and_draws_what_generate_draws():
+    from dew.inference.decode_layout import DecodeTransformer
+    from dew.sampling.text import generate
+
+    model = decoder()
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    task = TextGeneration(model, variables, sampling=Sampling(temperature=0.0))
+    assert isinstance(task.weights.get(1)[0], DecodeTransformer) and task.weights.get(2)[0] is model
+    same(task([[1, 2, 3]], 6, seed=0).tokens, generate(model, variables, [[1, 2, 3]], 6, key=KEY,
+                                                       sampling=Sampling(temperature=0.0)).tokens)

@@ -11,6 +11,7 @@ import numpy as np
 
 from dew.checks import count
 from dew.data.tokens import prompt_rows
+from dew.inference.decode_layout import DecodeWeights
 from dew.inference.processor import RunProcessor, as_processor, encode_prompts
 from dew.sampling.text import Generation, Sampling, generate, padded_width
 
@@ -45,6 +46,9 @@ class TextGeneration:
       n: the default number of continuations per prompt.
       row_sharding: for weights placed on a mesh, the sharding of result rows; the prompts are
         padded with filler rows to a multiple of its row shards, and `result.host()` drops them.
+
+    A single row on XLA:CPU decodes from the weights' decode layout (`dew.inference.decode_layout`),
+    converted on first use and kept with the task; `bind` makes a task with its own.
     """
 
     model: Any
@@ -55,8 +59,11 @@ class TextGeneration:
     max_length: int | None = None
     n: int = 1
     row_sharding: Any = None
+    weights: DecodeWeights = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        # one-row decoding on XLA:CPU reads a decode layout of these weights, made once per task
+        object.__setattr__(self, "weights", DecodeWeights(self.model, self.variables))
         object.__setattr__(self, "processor", as_processor(self.processor))
         object.__setattr__(self, "n", count(self.n, "TextGeneration.n"))
         object.__setattr__(self, "max_new_tokens", count(self.max_new_tokens, "TextGeneration.max_new_tokens", optional=True))
@@ -87,7 +94,8 @@ class TextGeneration:
         if self.row_sharding is not None:
             shards = _row_shards(self.row_sharding)
             rows = rows + [rows[0]] * (-real % shards)  # filler prompts, dropped by .host()
-        result = generate(self.model, self.variables, rows, budget, key=key,
+        model, variables = self.weights.get(len(rows) * n)
+        result = generate(model, variables, rows, budget, key=key,
                           sampling=self.sampling if sampling is None else sampling, n=n)
         if self.row_sharding is not None:
             result = jax.device_put(result, self.row_sharding)

@@ -14,8 +14,6 @@ draws with ``fold_in(row_key, t)``; so ``n=1`` reproduces continuation 0 of ``n=
 from __future__ import annotations
 
 import dataclasses
-import functools
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -246,48 +244,6 @@ _generate_jit = jax.jit(
 )
 
 
-# --- weights for single-row decoding --------------------------------------------------------------
-
-# the last conversion: (model, ids of the source leaves) -> (weak refs to them, converted variables)
-_DECODE_VARIABLES: dict[Any, tuple[list[weakref.ref], Any]] = {}
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _convert_for_decoding(model, variables):
-    return model.decode_variables(variables)
-
-
-def decoding_variables(model: Any, variables: Any, rows: int) -> Any:
-    """The variables `generate` decodes ``rows`` rows with.
-
-    On XLA:CPU one row's step is a chain of matrix-vector products, which stream the weights
-    faster in the model's decode layout (``model.decode_variables``, e.g. fused q/k/v and
-    transposed narrowing kernels; benchmarks/README.md has the measurements). The conversion is
-    one pass over the weights, so the last one is kept while its source arrays live: repeated
-    calls on the same weights convert once. Several rows, other backends, traced variables and
-    models without ``decode_variables`` decode with the variables as given.
-    """
-    if rows != 1 or not hasattr(model, "decode_variables") or jax.default_backend() != "cpu":
-        return variables
-    leaves = jax.tree_util.tree_leaves(variables)
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        return model.decode_variables(variables)
-    key = (model, tuple(id(leaf) for leaf in leaves))
-    hit = _DECODE_VARIABLES.get(key)
-    if hit is not None and all(ref() is leaf for ref, leaf in zip(hit[0], leaves)):
-        return hit[1]
-    converted = _convert_for_decoding(model, variables)
-    _DECODE_VARIABLES.clear()  # one entry: the weights being decoded now
-    try:
-        refs = [weakref.ref(leaf) for leaf in leaves]
-    except TypeError:  # leaves that cannot be weakly referenced (e.g. NumPy arrays): no caching
-        return converted
-    _DECODE_VARIABLES[key] = (refs, converted)
-    if leaves:  # drop the copy when its source weights go away
-        weakref.finalize(leaves[0], _DECODE_VARIABLES.pop, key, None)
-    return converted
-
-
 # --- the public entry point ----------------------------------------------------------------------
 
 
@@ -310,7 +266,8 @@ def generate(
     """Continue each prompt by up to ``max_new_tokens`` tokens, ``n`` times per prompt.
 
     Args:
-      model: a decoder with ``init_cache``, ``max_seq_len`` and ``vocab_size`` (CausalTransformer).
+      model: a decoder with ``init_cache``, ``max_seq_len`` and ``vocab_size`` (CausalTransformer,
+        or the DecodeTransformer that `dew.inference.decode_layout` pairs with rearranged weights).
       variables: its Flax variables.
       prompts: a list of token-id lists (ragged is fine) or an integer ``[batch, length]`` array.
       max_new_tokens: how many tokens to draw at most per row.
@@ -345,7 +302,6 @@ def generate(
     tokens = np.zeros((len(rows), padded_len), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : row.size] = row
-    variables = decoding_variables(model, variables, len(rows) * n)
     return _generate_jit(
         variables, jnp.asarray(tokens), jnp.asarray(lengths), key,
         model=model, sampling=sampling, max_new_tokens=max_new_tokens, n=n, cache_len=cache_len,

@@ -10,15 +10,17 @@ Parameter names follow Hugging Face's Llama layout (``layers_3/self_attn/q_proj/
 ``model.layers.3.self_attn.q_proj.weight``), with 2-D ``[in, out]`` kernels, so a checkpoint's
 weight table is a rename plus a transpose. Every parameter carries logical axis names for
 sharding. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype; logits come back in
-float32. `decode_layout` rearranges a copy of the variables for one-token decoding (fused q/k/v and
-gate/up, every kernel stored ``[out, in]``); the modules read either layout.
+float32. This is the model's one parameter layout: training, checkpoints and exports see it. The
+projections are methods (`SelfAttention.project_qkv` / `project_out`, `MLP.project_gate_up` /
+`project_down`) and the block classes are class attributes, so a subclass on the inference side
+can read the same weights rearranged for a device (`dew.inference.decode_layout`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -85,74 +87,6 @@ def _dense(features, axes, name, *, use_bias=False, std=INIT_STD, dtype, param_d
     )
 
 
-def transposed_product(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
-    """``x @ kernel_t.T`` for a kernel stored ``[out, in]``, in the form XLA:CPU runs fastest.
-
-    For one-row decoding a widening product is written ``x @ kernel_t.T``, which XLA fuses (with
-    the producer of ``x``, e.g. the RMSNorm) into one loop split over the cores; a square or
-    narrowing one stays a plain matrix product with the ``[out, in]`` operand, which runs faster
-    than that loop for them (benchmarks/README.md). The result is the same.
-    """
-    if kernel_t.shape[-2] > kernel_t.shape[-1]:
-        return x @ kernel_t.T
-    return jnp.einsum("...i,oi->...o", x, kernel_t)
-
-
-def _project(module: nn.Module, x: jax.Array, features: int, axes, name: str, **dense) -> jax.Array:
-    """The Dense projection `name` of `module`, in either weight layout.
-
-    Training variables hold ``name/kernel [in, out]`` (an nn.Dense). Variables converted by
-    `decode_layout` hold ``name/kernel_t [out, in]`` instead, multiplied by `transposed_product`.
-    """
-    params = module.get_variable("params", name) if module.has_variable("params", name) else None
-    if params is None or "kernel_t" not in params:
-        return _dense(features, axes, name, **dense)(x)
-    dtype = dense["dtype"]
-    y = transposed_product(x.astype(dtype), params["kernel_t"].astype(dtype))
-    if "bias" in params:
-        y = y + params["bias"].astype(dtype)
-    return y
-
-
-def decode_layout(variables: Any) -> Any:
-    """CausalTransformer variables rearranged for fast one-token decoding; same function.
-
-    Per layer (stacked ``scan_layers`` parameters too): q/k/v projections become one
-    ``self_attn/qkv_proj`` and gate/up one ``mlp/gate_up_proj``, and every kernel is stored
-    transposed as ``kernel_t`` ([out, in]; fused: [q + k + v, in] and [2 * hidden, in]). Fewer,
-    wider products over ``[out, in]`` kernels stream the weights faster on XLA:CPU when one row
-    is decoded (see `transposed_product` and benchmarks/README.md). The model reads either layout, so
-    ``model.apply(decode_layout(v), ...) == model.apply(v, ...)`` up to float rounding. This is a
-    view for inference: train, save and export the original variables.
-    """
-    def concat(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
-        fused = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=-1)}
-        if "bias" in parts[0]:
-            fused["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=-1)
-        return fused
-
-    def transposed(p: Mapping[str, Any]) -> dict[str, Any]:
-        out = {"kernel_t": jnp.swapaxes(p["kernel"], -1, -2)}
-        if "bias" in p:
-            out["bias"] = p["bias"]
-        return out
-
-    def convert(tree: Any) -> Any:
-        if not isinstance(tree, Mapping):
-            return tree
-        tree = {key: convert(value) for key, value in tree.items()}
-        if {"q_proj", "k_proj", "v_proj", "o_proj"} <= tree.keys() and "kernel" in tree["o_proj"]:
-            tree["qkv_proj"] = transposed(concat([tree.pop("q_proj"), tree.pop("k_proj"), tree.pop("v_proj")]))
-            tree["o_proj"] = transposed(tree["o_proj"])
-        if {"gate_proj", "up_proj", "down_proj"} <= tree.keys() and "kernel" in tree["down_proj"]:
-            tree["gate_up_proj"] = transposed(concat([tree.pop("gate_proj"), tree.pop("up_proj")]))
-            tree["down_proj"] = transposed(tree["down_proj"])
-        return tree
-
-    variables = nn.unbox(variables)
-    return {**variables, "params": convert(variables["params"])}
-
-
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * scale, computed in float32 like HF's LlamaRMSNorm."""
 
@@ -190,18 +124,25 @@ class SelfAttention(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, L, heads * head_dim]``, keys and values ``[B, L, kv_heads * head_dim]``."""
+        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        q = _dense(self.num_heads * self.head_dim, ("embed", "heads"), "q_proj", **dense)(x)
+        k = _dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
+        v = _dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
+        return q, k, v
+
+    def project_out(self, out: jax.Array, features: int) -> jax.Array:
+        """The attended heads ``[B, L, heads * head_dim]`` back to the model width `features`."""
+        out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
+        return _dense(features, ("heads", "embed"), "o_proj", use_bias=self.use_bias, std=out_std,
+                      dtype=self.dtype, param_dtype=self.param_dtype)(out)
+
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
         batch, length, emb = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        if self.has_variable("params", "qkv_proj"):  # decode_layout: one fused projection
-            qkv = _project(self, x, (heads + 2 * kv_heads) * head_dim, ("embed", "heads"), "qkv_proj", **dense)
-            q, k, v = jnp.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
-        else:
-            q = _dense(heads * head_dim, ("embed", "heads"), "q_proj", **dense)(x)
-            k = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
-            v = _dense(kv_heads * head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
+        q, k, v = self.project_qkv(x)
         q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
         q = q.reshape(batch, length, heads, head_dim)
         k = k.reshape(batch, length, kv_heads, head_dim)
@@ -235,9 +176,7 @@ class SelfAttention(nn.Module):
             )
             new_cache = (cache_k, cache_v)
 
-        out = out.reshape(batch, length, heads * head_dim)
-        out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
-        out = _project(self, out, emb, ("heads", "embed"), "o_proj", std=out_std, **dense)
+        out = self.project_out(out.reshape(batch, length, heads * head_dim), emb)
         return out, new_cache
 
 
@@ -275,24 +214,32 @@ class MLP(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gate and up projections of rows ``[N, width]``, each ``[N, features]``."""
+        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
+        up = _dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
+        return gate, up
+
+    def project_down(self, h: jax.Array, width: int) -> jax.Array:
+        """The down projection of rows ``[N, features]`` back to ``[N, width]``."""
+        out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
+        return _dense(width, ("mlp", "embed"), "down_proj", use_bias=self.use_bias, std=out_std,
+                      dtype=self.dtype, param_dtype=self.param_dtype)(h)
+
     @nn.compact
     def __call__(self, x):
-        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # 2-D matmuls: XLA's CPU backward then needs no transposes
-        if self.has_variable("params", "gate_up_proj"):  # decode_layout: one fused projection
-            gate_up = _project(self, x, 2 * self.features, ("embed", "mlp"), "gate_up_proj", **dense)
-            gate, up = jnp.split(gate_up, 2, axis=-1)
-        else:
-            gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
-            up = _dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
-        out_std = INIT_STD / math.sqrt(2 * self.num_layers)
-        out = _project(self, nn.silu(gate) * up, shape[-1], ("mlp", "embed"), "down_proj", std=out_std, **dense)
-        return out.reshape(shape)
+        gate, up = self.project_gate_up(x)
+        return self.project_down(nn.silu(gate) * up, shape[-1]).reshape(shape)
 
 
 class DecoderBlock(nn.Module):
     """One pre-norm decoder layer; returns ``(x, new_layer_cache)`` so it can be scanned."""
+
+    attention_class: ClassVar[type[SelfAttention]] = SelfAttention
+    mlp_class: ClassVar[type[MLP]] = MLP
 
     num_heads: int
     num_kv_heads: int
@@ -315,7 +262,7 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
         norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
-        attention = SelfAttention(
+        attention = self.attention_class(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             num_layers=self.num_layers, window=self.window, rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len, qk_norm=self.qk_norm,
@@ -327,7 +274,7 @@ class DecoderBlock(nn.Module):
             RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids, layer_cache, slots, window
         )
         x = x + h
-        mlp = MLP(self.mlp_features, self.num_layers, use_bias=self.mlp_bias, dtype=self.dtype,
+        mlp = self.mlp_class(self.mlp_features, self.num_layers, use_bias=self.mlp_bias, dtype=self.dtype,
                   param_dtype=self.param_dtype, name="mlp")
         x = x + mlp(RMSNorm(name="post_attention_layernorm", **norm)(x))
         return x, new_cache
@@ -353,6 +300,8 @@ class CausalTransformer(nn.Module):
       scan_layers: run the layers with nn.scan (params stacked under ``layers/``).
       remat: None, "full", "minimal" or "save_qkv_proj".
     """
+
+    block_class: ClassVar[type[DecoderBlock]] = DecoderBlock
 
     vocab_size: int
     emb_features: int
@@ -442,10 +391,6 @@ class CausalTransformer(nn.Module):
             dtype=self.dtype if dtype is None else dtype, stacked=self.scan_layers,
         )
 
-    def decode_variables(self, variables: Any) -> Any:
-        """`variables` in the layout one-token decoding reads fastest (see `decode_layout`)."""
-        return decode_layout(variables)
-
     # --- forward ---------------------------------------------------------------------------------
 
     @nn.compact
@@ -490,9 +435,9 @@ class CausalTransformer(nn.Module):
             attention_bias=self.attention_bias, mlp_bias=self.mlp_bias, causal=self.causal,
             attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
         )
-        block_cls = DecoderBlock
+        block_cls = self.block_class
         if self.remat is not None:
-            block_cls = nn.remat(DecoderBlock, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)
+            block_cls = nn.remat(self.block_class, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)
 
         if self.scan_layers:
             x, new_k, new_v = self._scanned_layers(block_cls, block_args, plan, x, positions, segment_ids,
