@@ -115,7 +115,7 @@ def test_composing_a_native_decoder_program_continues_the_pattern(tmp_path, monk
     state = Trainer(objective, optax.adamw(0.003), key=jax.random.key(0),
                     checkpoints=checkpoints).fit(data, steps=40, log_every=20, checkpoint_every=40)
     checkpoints.wait()
-    task = objective.pipeline(state)
+    task = objective.pipeline(state, ema=False)
     result = task([[1, 2]], 8, key=jax.random.key(1), sampling=Sampling(temperature=0))
     assert np.asarray(result.tokens).tolist() == [[3, 4, 1, 2, 3, 4, 1, 2]]
     assert checkpoints.steps() == [40]

@@ -91,6 +91,11 @@ def test_a_run_without_ema_refuses_ema_true_and_serves_the_live_weights_on_reque
         dew.pipeline(tmp_path / "run", step=7, ema=False)
     with pytest.raises(ValueError, match="Text prompts need a processor"):
         task("ab", 3, seed=0)
+    # compute and storage dtypes
+    half = dew.pipeline(tmp_path / "run", ema=False, dtype="bfloat16", param_dtype="bfloat16")
+    assert half.model.dtype == jnp.bfloat16 and model.dtype == jnp.float32
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(half.variables)} == {jnp.dtype(jnp.bfloat16)}
+    assert half([[1, 2]], 4, seed=0).tokens.shape == (1, 4)
     bound = objective.pipeline(state, ema=False, processor=RunProcessor(_Letters()))
     assert bound("abc", 3, seed=0).text == [_Letters().decode(np.asarray(bound("abc", 3, seed=0).tokens[0]))]
 
