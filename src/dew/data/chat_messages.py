@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import count
 from dew.data.chat import Role
 from dew.data.dataset import Dataset, Loading
 
@@ -274,8 +275,7 @@ class ChatMessages:
         seed: int = 0,
         chat_template: str | None = None,
     ):
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int; got {seq_len!r}.")
+        seq_len = count(seq_len, "ChatMessages seq_len")
         template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         if not template:
             raise ValueError(

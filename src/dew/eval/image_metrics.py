@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import count
+
 Features = Callable[[Any], Any]
 
 
@@ -112,15 +114,15 @@ class _MeanImageScore:
         return 0.0, 0
 
     def update(self, accumulator, outputs):
-        total, count = accumulator
+        total, scored = accumulator
         label = type(self).__name__
         a, b = _images(outputs, self.key_a, label), _images(outputs, self.key_b, label)
         values = np.atleast_1d(self.score(a, b))
-        return total + float(np.sum(values)), count + values.size
+        return total + float(np.sum(values)), scored + values.size
 
     def result(self, accumulator):
-        total, count = accumulator
-        return {self.name: total / count if count else float("nan")}
+        total, scored = accumulator
+        return {self.name: total / scored if scored else float("nan")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,19 +378,19 @@ def image_grid(images, rows: int | None = None, *, padding: int = 0) -> np.ndarr
 
     `rows` defaults to a near-square layout; empty cells (and `padding` pixels between cells) are black.
     """
+    rows = count(rows, "image_grid rows", optional=True)
+    padding = count(padding, "image_grid padding", minimum=0)
     images = to_uint8(images)
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or len(images) == 0:
         raise ValueError(f"image_grid takes a non-empty batch [N, H, W, C]; got shape {images.shape}.")
-    count, height, width, channels = images.shape
+    n_images, height, width, channels = images.shape
     if rows is None:
-        columns = math.ceil(math.sqrt(count))
-        rows = math.ceil(count / columns)
+        columns = math.ceil(math.sqrt(n_images))
+        rows = math.ceil(n_images / columns)
     else:
-        if not isinstance(rows, int) or rows < 1:
-            raise ValueError(f"image_grid rows must be a positive int; got {rows!r}.")
-        columns = math.ceil(count / rows)
+        columns = math.ceil(n_images / rows)
     step_h, step_w = height + padding, width + padding
     grid = np.zeros((rows * step_h - padding, columns * step_w - padding, channels), np.uint8)
     for index, image in enumerate(images[: rows * columns]):

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
+
 
 @functools.partial(jax.jit, static_argnames=("solver",))
 def _integrate(solver, denoise, guidance, x, sigmas, key):
@@ -17,8 +19,7 @@ def _integrate(solver, denoise, guidance, x, sigmas, key):
 
 
 def _grid(denoise, steps, grid, process):
-    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    steps = count(steps, "steps")
     if grid is not None and process is not None:
         raise ValueError("pass grid= or process=, not both")
     if grid is None:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.checks import count
+from dew.checks import count_fields
 
 # Mesh axes, outermost first. `replicas` spans hosts in hybrid sharding; `data` is what is left.
 AXES = ("replicas", "data", "fsdp", "expert", "sequence", "tensor")
@@ -57,8 +57,7 @@ class MeshSpec:
     replicas: int = 1
 
     def __post_init__(self):
-        for name in ("fsdp", "tensor", "expert", "sequence", "replicas"):
-            object.__setattr__(self, name, count(getattr(self, name), f"MeshSpec.{name}"))
+        count_fields(self, fsdp=1, tensor=1, expert=1, sequence=1, replicas=1)
         for name, reason in UNUSED_AXES.items():
             if getattr(self, name) > 1:
                 raise ValueError(
