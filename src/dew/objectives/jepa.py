@@ -282,7 +282,7 @@ class JepaObjective(Objective):
         k_encoder, k_predictor = jax.random.split(key)
         x = jnp.zeros((1,) + tuple(self.sample.shape), jnp.float32)
         encoder = self.encoder.init(k_encoder, x)["params"]
-        indices = self.mask.sample(jax.random.key(0), 1)
+        indices = self.mask.sample(jax.random.fold_in(key, 2), 1)  # only its shapes reach the predictor
         context = jnp.zeros((1, self.mask.context_tokens, self.encoder.emb_features), jnp.float32)
         predictor = self.predictor.init(k_predictor, context, indices.context, indices.targets)["params"]
         return {
