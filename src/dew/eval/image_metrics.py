@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from dew.checks import count
+from dew.files import write_atomic
+from dew.pixels import png_bytes, to_uint8, to_unit_range
 
 Features = Callable[[Any], Any]
 
@@ -276,16 +277,6 @@ def _reference_statistics(reference) -> tuple[np.ndarray, np.ndarray]:
 # Feature networks
 
 
-def to_unit_range(images) -> Any:
-    """Images as float32 in [-1, 1]: uint8 is scaled from 0..255, floats are taken as [-1, 1]."""
-    import jax.numpy as jnp
-
-    images = jnp.asarray(images)
-    if images.dtype == jnp.uint8:
-        return images.astype(jnp.float32) / 127.5 - 1.0
-    return images.astype(jnp.float32)
-
-
 class InceptionFeatures:
     """The 2048 pool3 features of the FID Inception-v3, from a weights file on disk.
 
@@ -365,14 +356,6 @@ class RandomConvFeatures:
 # Image grids
 
 
-def to_uint8(images) -> np.ndarray:
-    """uint8 images as they are; floats in [-1, 1] scaled to 0..255 (clipped, rounded)."""
-    images = np.asarray(images)
-    if images.dtype == np.uint8:
-        return images
-    return np.round((np.clip(images.astype(np.float32), -1.0, 1.0) + 1.0) * 127.5).astype(np.uint8)
-
-
 def image_grid(images, rows: int | None = None, *, padding: int = 0) -> np.ndarray:
     """Tile images [N, H, W, C] (uint8, or float in [-1, 1]) into one uint8 [H', W', C] grid.
 
@@ -401,15 +384,4 @@ def image_grid(images, rows: int | None = None, *, padding: int = 0) -> np.ndarr
 
 def save_image_grid(images, path: str | os.PathLike, rows: int | None = None, *, padding: int = 0) -> Path:
     """Write `image_grid(images, rows)` as a PNG at `path`, atomically (a temporary file renamed)."""
-    from PIL import Image
-
-    path = Path(path)
-    grid = image_grid(images, rows, padding=padding)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(temporary, format="PNG")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path
+    return write_atomic(path, png_bytes(image_grid(images, rows, padding=padding)))

@@ -28,6 +28,7 @@ from dew.checks import count
 from dew.eval.probes import KnnProbe, LinearProbe, effective_rank, feature_std
 from dew.nn.backbones.jepa import JepaEncoder, JepaPredictor, gather_tokens
 from dew.objectives.base import Aux, Field, InputSpec, Objective, Step, Variables
+from dew.pixels import to_unit_range
 
 __all__ = [
     "JepaEncoder",
@@ -321,7 +322,7 @@ class JepaObjective(Objective):
     # ---- the loss ----
 
     def _pixels(self, batch) -> jax.Array:
-        return batch[self.sample.key].astype(jnp.float32) / 127.5 - 1.0
+        return to_unit_range(batch[self.sample.key])
 
     def _targets(self, variables, x):
         """The target encoder's tokens on the whole input, without gradient."""
