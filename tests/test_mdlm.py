@@ -134,3 +134,25 @@ def test_the_elbo_falls_while_training_on_shakespeare_bytes(tmp_path):
     assert perplexity < np.exp(np.mean(losses[:5]))
     drawn = objective.generate(state.variables, [ByteTokenizer().encode("ROMEO:")], 16, key=jax.random.key(5), steps=8)
     assert drawn.tokens.shape == (1, 16) and int(jnp.max(drawn.tokens)) < MASK
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="MaskedDiffusionObjective keeps no EMA copy unless ema_decay is set, so the "
+                          "spec's masked_state.averaged raises; its default belongs in objectives/masked.py")
+def test_the_spec_masked_diffusion_program_samples_from_the_averaged_weights(tmp_path):
+    """The README's masked-diffusion program as written (objective without ema_decay, sampling from
+    `masked_state.averaged`), on an offline byte corpus at CPU sizes."""
+    (tmp_path / "stories.txt").write_text("Once upon a time there was a little girl who loved the sea.\n\n" * 80)
+    tokenize(tmp_path / "stories.txt", tmp_path / "tokens", "byte", val_fraction=0.1)
+    tokenizer = ByteTokenizer()
+    masked_data = TokenWindows(path=str(tmp_path / "tokens"), seq_len=31, loading=Loading(workers=0)).load(batch=8)
+    mask_id = tokenizer.vocab_size
+    process = MDLM(mask_id=mask_id)()
+    masked_model = bidirectional(vocab=mask_id + 1, max_seq_len=32)
+    masked_objective = MaskedDiffusionObjective(masked_model, process, seq_len=32)
+    masked_state = Trainer(masked_objective, optax.adamw(1e-3), key=jax.random.key(4)).fit(
+        masked_data, steps=4, log_every=2, eval_every=4, metrics=(Perplexity(),))
+    drawn = process.generate(masked_model, masked_state.averaged,
+                             [tokenizer.encode("Once upon a time")], 8, key=jax.random.key(5), steps=4)
+    assert drawn.tokens.shape == (1, 8) and int(jnp.max(drawn.tokens)) < mask_id
+    assert isinstance(tokenizer.decode(drawn.tokens[0]), str)
