@@ -147,7 +147,13 @@ def test_load_options_set_dtypes_context_and_scanned_layers(loaded):
     bundle = PretrainedDecoder.load(FIXTURES / "llama", param_dtype=jnp.bfloat16, max_seq_len=32)
     assert bundle.model.max_seq_len == 32
     assert {x.dtype for x in jax.tree_util.tree_leaves(bundle.variables)} == {jnp.dtype(jnp.bfloat16)}
-    np.testing.assert_allclose(logits(bundle, ref["input_ids"]), ref["logits"], atol=0.1)
+    # bfloat16 storage with float32 compute is exactly the float32 model on weights rounded to bfloat16,
+    # and the rounding is real: those logits leave the float32 reference's tolerance
+    rounded = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32),
+                                     unboxed(loaded["llama"].variables))
+    stored = logits(bundle, ref["input_ids"])
+    np.testing.assert_array_equal(stored, logits(loaded["llama"], ref["input_ids"], rounded))
+    assert np.abs(stored - ref["logits"]).max() > 100 * TOLERANCE
 
     scanned = PretrainedDecoder.load(FIXTURES / "qwen3", scan_layers=True)
     assert scanned.variables["params"]["layers"]["self_attn"]["q_norm"]["scale"].shape == (2, 16)
@@ -318,7 +324,7 @@ def test_an_export_carries_the_tokenizer_and_generation_defaults(tmp_path):
     direct = task(np.asarray([tokenizer.encode("The trainer")], np.int32), 6, key=jax.random.key(1),
                   sampling=Sampling(temperature=0.0))
     np.testing.assert_array_equal(np.asarray(drawn.tokens), np.asarray(direct.tokens))
-    assert isinstance(task.decode(drawn)[0], str)
+    assert task.decode(drawn)[0] == tokenizer.decode(np.asarray(drawn.tokens)[0])  # the exported copy decodes alike
 
 
 def test_a_trainer_step_changes_the_weights_and_the_export_reloads(tmp_path):

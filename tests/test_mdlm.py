@@ -155,4 +155,3 @@ def test_the_spec_masked_diffusion_program_samples_from_the_averaged_weights(tmp
     drawn = process.generate(masked_model, masked_state.averaged,
                              [tokenizer.encode("Once upon a time")], 8, key=jax.random.key(5), steps=4)
     assert drawn.tokens.shape == (1, 8) and int(jnp.max(drawn.tokens)) < mask_id
-    assert isinstance(tokenizer.decode(drawn.tokens[0]), str)
