@@ -133,5 +133,15 @@ def test_mesh_shape_fills_data_parallelism_and_refuses_bad_factors():
     }
     with pytest.raises(ValueError, match="MeshSpec\\(fsdp=16.*needs a multiple of 16 devices, but 8"):
         MeshSpec(fsdp=16).build()
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="MeshSpec.tensor must be a positive integer; got 0"):
         MeshSpec(tensor=0)
+    with pytest.raises(ValueError, match="MeshSpec.fsdp must be a positive integer; got 2.0"):
+        MeshSpec(fsdp=2.0)
+    assert MeshSpec(fsdp=np.int64(2)).fsdp == 2
+
+
+@pytest.mark.parametrize("axis", ["sequence", "expert"])
+def test_mesh_refuses_axes_no_objective_gives_work_to(axis):
+    with pytest.raises(ValueError, match=rf"MeshSpec\({axis}=2\) is not supported yet.*fsdp=.*tensor="):
+        MeshSpec(**{axis: 2})
+    assert getattr(MeshSpec(**{axis: 1}), axis) == 1

@@ -66,11 +66,12 @@ def test_the_full_demo_writes_real_words(tmp_path, capsys):
     import re
 
     from dew.cli import demo
+    from dew.data.corpora import help_topics_text
 
     demo.run(out=str(tmp_path / "demo"))
     out = capsys.readouterr().out
     text = out.split("greedy continuation of 'The return statement':")[1]
-    vocabulary = set(re.findall(r"[a-z]+", demo.corpus_text().lower()))
+    vocabulary = set(re.findall(r"[a-z]+", help_topics_text().lower()))
     words = re.findall(r"[a-z]+", text.lower())
     assert len(words) >= 10
     assert sum(w in vocabulary for w in words) / len(words) > 0.8
@@ -86,3 +87,24 @@ def test_the_demo_digits_part_writes_a_sample_grid(tmp_path, capsys):
     grid = Image.open(tmp_path / "demo" / "digits" / "samples.png")
     assert grid.size == (10 * 32 + 9 * 2, 4 * 32 + 3 * 2)  # 10 digits x 4 samples, 32 px each, 2 px between
     assert "each column is one digit" in capsys.readouterr().out
+
+
+def test_the_lm_benchmark_falls_back_to_the_corpus_every_install_has(tmp_path, monkeypatch):
+    """A fresh clone has no shared data folder: lm_train reads Python's help topics and says so."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from dew.data.corpora import HELP_TOPICS, help_topics_text
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import lm_train
+
+    monkeypatch.setattr(lm_train, "SHARED_DATA", tmp_path / "missing" / "tinyshakespeare.txt")
+    corpus, name = lm_train.load_corpus(None, synthetic=False)
+    assert name == HELP_TOPICS
+    assert bytes(corpus.astype(np.uint8)) == help_topics_text().encode("utf-8")
+    (tmp_path / "own.txt").write_text("to be or not to be")
+    assert lm_train.load_corpus(str(tmp_path / "own.txt"), synthetic=False)[1] == "own.txt"
+    with pytest.raises(SystemExit, match="no corpus at .*elsewhere.txt"):
+        lm_train.load_corpus(str(tmp_path / "elsewhere.txt"), synthetic=False)

@@ -59,7 +59,7 @@ def test_rloo_subtracts_the_mean_of_the_other_responses():
     advantages = np.asarray(rl.rloo_advantages(rewards, groups=3))
     expected = [1 - 4, 2 - 3.5, 6 - 1.5, 0 - 1.5, 0 - 1.5, 3 - 0]
     np.testing.assert_allclose(advantages, expected, rtol=1e-6)
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(ValueError, match="rloo_advantages groups .* must be an integer >= 2; got 1"):
         rl.rloo_advantages(rewards, groups=1)
 
 

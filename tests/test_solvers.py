@@ -97,6 +97,36 @@ def test_stochastic_solvers_draw_the_target_distribution(solver, denoise):
     assert float(jnp.max(jnp.abs(other - x))) > 1e-3
 
 
+@pytest.mark.parametrize("solver", [solver for solver, _ in STOCHASTIC], ids=repr)
+def test_stochastic_solvers_refuse_to_run_without_a_key(solver):
+    grid = karras_sigmas(4, 0.002, 80.0)
+    x_T = jnp.ones((2, 3))
+    assert solver.stochastic
+    name = type(solver).__name__
+    with pytest.raises(ValueError, match=rf"{name}\(.*\) is stochastic.*needs a key.*key=jax.random.key"):
+        sample(gaussian_denoiser, x_T, solver=solver, steps=4, grid=grid)
+    with pytest.raises(ValueError, match=rf"{name}\(.*\) is stochastic"):
+        solver(gaussian_denoiser, x_T, grid)
+
+
+def test_deterministic_solvers_need_no_key_and_ignore_one():
+    grid = karras_sigmas(6, 0.002, 80.0)
+    x_T = 80.0 * jax.random.normal(jax.random.key(0), (16,))
+    for solver, _ in ORDERS:
+        assert not solver.stochastic, solver
+        without = sample(gaussian_denoiser, x_T, solver=solver, steps=6, grid=grid)
+        with_key = sample(gaussian_denoiser, x_T, solver=solver, steps=6, grid=grid, key=jax.random.key(9))
+        np.testing.assert_array_equal(without, with_key)
+    # the noise-free settings of stochastic solvers are deterministic too: each is an Euler step
+    euler = sample(gaussian_denoiser, x_T, solver=Euler(), steps=6, grid=grid)
+    for solver in (DDIM(eta=0.0), EulerAncestral(eta=0.0), TCD(gamma=0.0), EDMStochastic(churn=0.0)):
+        assert not solver.stochastic, solver
+        got = sample(gaussian_denoiser, x_T, solver=solver, steps=6, grid=grid)
+        reference = euler if not isinstance(solver, EDMStochastic) else sample(
+            gaussian_denoiser, x_T, solver=Heun(), steps=6, grid=grid)
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_tcd_with_gamma_one_is_lcm():
     grid = karras_sigmas(6, 0.002, 80.0)
     x_T = 80.0 * jax.random.normal(jax.random.key(0), (32,))

@@ -310,11 +310,12 @@ def test_reading_names_what_was_expected_and_what_was_given(tmp_path):
         TokenWindows(str(path), seq_len=128).load(batch=2)
     with pytest.raises(ValueError, match=r"seq_len=40 needs 41 ids.*val.bin.*holds 30"):
         TokenWindows(str(path), seq_len=40).load(batch=2)
-    for batch in (0, -3, 2.0):
-        with pytest.raises(ValueError, match=f"positive int batch; got {batch!r}"):
+    for batch in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match=f"TokenWindows.load batch must be a positive integer; got {batch!r}"):
             TokenWindows(str(path), seq_len=8).load(batch=batch)
-    with pytest.raises(ValueError, match="seq_len must be a positive int; got 0"):
+    with pytest.raises(ValueError, match="TokenWindows.seq_len must be a positive integer; got 0"):
         TokenWindows(str(path), seq_len=0)
+    assert TokenWindows(str(path), seq_len=np.int64(8)).load(batch=np.int64(2)).batch == 2
     with pytest.raises(ValueError, match="pack=True.*eos_id is null.*--pack"):
         TokenWindows(str(path), seq_len=8, pack=True).load(batch=2)
 

@@ -1,6 +1,6 @@
 """Build tiny random Hugging Face decoders and record what transformers computes with them.
 
-Writes one directory per model under tests/fixtures/hf/, read by tests/test_interop.py:
+Writes one directory per model (Llama, Qwen3, Qwen3 with a sliding layer, Mistral) under tests/fixtures/hf/, read by tests/test_interop.py:
 
     config.json, model.safetensors, generation_config.json   (save_pretrained, float32)
     reference.npz   input_ids [2, 12] and their logits [2, 12, vocab];
@@ -15,13 +15,15 @@ Run with the reference environment (torch CPU + transformers), not Dew's:
     python3 -m venv .venv-ref
     .venv-ref/bin/pip install torch==2.13.0
     .venv-ref/bin/pip install transformers safetensors numpy
-    .venv-ref/bin/python tools/hf_decoder_fixtures.py
+    .venv-ref/bin/python tools/hf_decoder_fixtures.py            # every fixture
+    .venv-ref/bin/python tools/hf_decoder_fixtures.py mistral    # only the named ones
 """
 
 from __future__ import annotations
 
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -52,6 +54,13 @@ FIXTURES = {
     "qwen3-sliding": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
         SIZES, hidden_size=32, head_dim=8, intermediate_size=64, tie_word_embeddings=True,
         max_position_embeddings=64, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+    )),
+    # Mistral 7B v0.1's structure at a tiny size: an untied head, grouped-query attention with four
+    # query heads per key/value head (32 and 8 in the release), RoPE base 10,000 and every layer on
+    # a sliding window, here 4 tokens so the 12-token inputs cross it.
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
+        SIZES, num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+        max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4,
     )),
 }
 
@@ -100,13 +109,18 @@ def record(name, seed):
     print(f"{name}: {size / 1024:.0f} KiB, greedy {generated.tolist()}")
 
 
-def main():
+def main(names):
+    """Record the named fixtures (all by default); each keeps the seed of its place in FIXTURES."""
+    unknown = sorted(set(names) - set(FIXTURES))
+    if unknown:
+        raise SystemExit(f"unknown fixtures {unknown}; choose from {list(FIXTURES)}")
     OUT.mkdir(parents=True, exist_ok=True)
     for seed, name in enumerate(FIXTURES):
-        record(name, seed)
+        if not names or name in names:
+            record(name, seed)
     total = sum(path.stat().st_size for path in OUT.rglob("*") if path.is_file())
     print(f"total {total / 1024:.0f} KiB in {OUT}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -21,3 +21,14 @@ def count(value: Any, name: str, *, minimum: int = 1, optional: bool = False) ->
     if optional:
         bound += " or None"
     raise ValueError(f"{name} must be {bound}; got {value!r} ({type(value).__name__}).")
+
+
+def count_fields(record: Any, **minimums: int) -> None:
+    """Check the named count fields of a (frozen) dataclass with `count`, storing each as an int.
+
+    ``count_fields(self, image_size=1, seed=0)`` in ``__post_init__`` checks ``self.image_size >= 1``
+    and ``self.seed >= 0``, naming them ``ClassName.image_size`` and ``ClassName.seed`` on failure.
+    """
+    for name, minimum in minimums.items():
+        value = count(getattr(record, name), f"{type(record).__name__}.{name}", minimum=minimum)
+        object.__setattr__(record, name, value)

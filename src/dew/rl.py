@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dew.checks import count
+
 
 def masked_mean(x, mask, axis=None):
     """The mean of `x` over entries where `mask` is nonzero (0 when there are none)."""
@@ -24,8 +26,8 @@ def masked_var(x, mask, unbiased: bool = False):
     mean = masked_mean(x, mask)
     var = masked_mean(jnp.square(x - mean), mask)
     if unbiased:
-        count = jnp.sum(mask)
-        var = var * count / jnp.maximum(count - 1.0, 1.0)
+        entries = jnp.sum(mask)
+        var = var * entries / jnp.maximum(entries - 1.0, 1.0)
     return var
 
 
@@ -73,6 +75,7 @@ def gae(rewards, values, dones, gamma: float = 0.99, lam: float = 0.95):
 
 
 def _grouped(rewards, groups: int):
+    groups = count(groups, "groups (responses per prompt)")
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 1 or rewards.shape[0] % groups:
         raise ValueError(
@@ -99,8 +102,7 @@ def group_advantages(rewards, groups: int, normalize: bool = True, eps: float = 
 def rloo_advantages(rewards, groups: int):
     """REINFORCE leave-one-out (Ahmadian et al. 2024): each reward minus the mean of the other
     responses to the same prompt."""
-    if groups < 2:
-        raise ValueError(f"leave-one-out needs at least 2 responses per prompt; got groups={groups}.")
+    groups = count(groups, "rloo_advantages groups (leave-one-out needs 2 responses per prompt)", minimum=2)
     grouped = _grouped(rewards, groups)
     others = (jnp.sum(grouped, axis=1, keepdims=True) - grouped) / (groups - 1)
     return (grouped - others).reshape(-1)

@@ -14,28 +14,22 @@ from pathlib import Path
 PARTS = ("lm", "digits", "curve")
 
 
-def corpus_text() -> str:
-    """The demo corpus: Python's own help topics, as plain text."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[name].strip() for name in sorted(topics))
-
-
 def train_decoder(out: Path, steps: int = 1500, seed: int = 0, log_every: int | None = None):
-    """Train a byte-level decoder on `corpus_text()`; the run (run.json + checkpoint) goes in out/run."""
+    """Train a byte-level decoder on `help_topics_text()`; the run (run.json + checkpoint) goes in out/run."""
     import jax
     import jax.numpy as jnp
 
     from dew import Checkpoints, LocalTracker, Trainer
     from dew.config import ModelConfig, ObjectiveConfig, OptimConfig, RunConfig, TrainerConfig
     from dew.data import Loading, TokenWindows, tokenize
+    from dew.data.corpora import help_topics_text
     from dew.nn.backbones import CausalTransformer
     from dew.objectives.lm import LMObjective, Perplexity
     from dew.sampling import Sampling
 
     seq_len, batch = 64, 16
     corpus_file = out / "corpus.txt"
-    corpus_file.write_text(corpus_text(), encoding="utf-8")
+    corpus_file.write_text(help_topics_text(), encoding="utf-8")
     tokenize(corpus_file, out / "tokens", "byte", val_fraction=0.02)
     data = TokenWindows(path=str(out / "tokens"), seq_len=seq_len, seed=seed, loading=Loading(workers=0))
     model = CausalTransformer(

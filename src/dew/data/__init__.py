@@ -13,6 +13,7 @@ _EXPORTS = {
     "Loading": "dew.data.dataset",
     "Partition": "dew.data.dataset",
     "Role": "dew.data.chat",
+    "help_topics_text": "dew.data.corpora",
     "ChatMessages": "dew.data.chat_messages",
     "PreferencePairs": "dew.data.preference",
     "Prompts": "dew.data.prompts",

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from dew.data.chat import Role
 from dew.checks import count
+from dew.data.chat import Role
 from dew.data.dataset import Dataset, Loading
 from dew.data.tokenizers import load_tokenizer
 
@@ -277,7 +277,7 @@ class ChatMessages:
         seed: int = 0,
         chat_template: str | None = None,
     ):
-        seq_len = count(seq_len, "seq_len")
+        seq_len = count(seq_len, "ChatMessages seq_len")
         tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
         template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         if not template:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from dew import checks
+
 Batch = dict[str, np.ndarray]
 
 
@@ -25,7 +27,8 @@ class Partition:
     count: int = 1
 
     def __post_init__(self):
-        if not 0 <= self.index < self.count:
+        checks.count_fields(self, count=1, index=0)
+        if not self.index < self.count:
             raise ValueError(f"Partition index must be in [0, {self.count}); got {self.index}.")
 
     def rows(self, global_batch: int) -> slice:
@@ -59,12 +62,7 @@ class Loading:
     worker_buffer: int = 2
 
     def __post_init__(self):
-        for name in ("workers", "threads", "read_buffer", "worker_buffer"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"Loading.{name} must be a non-negative int; got {value!r}.")
-        if self.threads < 1:
-            raise ValueError(f"Loading.threads must be at least 1; got {self.threads}.")
+        checks.count_fields(self, workers=0, threads=1, read_buffer=0, worker_buffer=0)
 
     def apply(self, dataset):
         """Apply these settings to a Grain `MapDataset`, giving an `IterDataset`."""
@@ -106,8 +104,7 @@ class Dataset:
             )
         if self.val is not None and not callable(self.val):
             raise TypeError(f"Dataset.val must be a factory or None; got {type(self.val).__name__}.")
-        if not isinstance(self.batch, int) or self.batch < 1:
-            raise ValueError(f"Dataset.batch must be a positive int; got {self.batch!r}.")
+        checks.count_fields(self, batch=1)
 
     @classmethod
     def from_records(
@@ -125,6 +122,7 @@ class Dataset:
         forever; `validation` (columns of the same form) is read once per pass, in order, with a
         short last batch kept.
         """
+        batch = checks.count(batch, "Dataset.from_records batch")
         train_columns = _as_columns(columns, "columns")
         records = len(next(iter(train_columns.values())))
 

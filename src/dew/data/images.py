@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import count, count_fields
 from dew.data.dataset import Batch, Dataset, Loading, Partition
 from dew.data.tf_example import decode_example
 
@@ -168,21 +169,6 @@ def split_records(count: int, fraction: float, seed: int, what: str) -> tuple[li
     return sorted(order[held:].tolist()), sorted(order[:held].tolist())
 
 
-def check_batch(batch: Any, what: str) -> None:
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f"{what}.load needs a positive int batch; got {batch!r}.")
-
-
-def check_size(value: Any, what: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{what} must be a positive int (pixels per side); got {value!r}.")
-
-
-def _check_seed(value: Any, what: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{what}.seed must be a non-negative int; got {value!r}.")
-
-
 def _check_loading(value: Any, what: str) -> None:
     if not isinstance(value, Loading):
         raise TypeError(f"{what}.loading must be a Loading; got {value!r}.")
@@ -217,8 +203,7 @@ class ImageFolder:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        check_size(self.image_size, "ImageFolder.image_size")
-        _check_seed(self.seed, "ImageFolder")
+        count_fields(self, image_size=1, seed=0)
         _check_loading(self.loading, "ImageFolder")
 
     @property
@@ -249,7 +234,7 @@ class ImageFolder:
 
     def load(self, batch: int, tokenize: Tokenize | None = None) -> Dataset:
         """A Dataset of "image" (uint8 [S, S, 3]), "label" (int32) when `labels`, and "caption"."""
-        check_batch(batch, "ImageFolder")
+        batch = count(batch, "ImageFolder.load batch")
         root, files = self.root, self.files()
         labels = None
         if self.labels:
@@ -357,8 +342,7 @@ class Digits:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        check_size(self.image_size, "Digits.image_size")
-        _check_seed(self.seed, "Digits")
+        count_fields(self, image_size=1, seed=0)
         _check_loading(self.loading, "Digits")
         if self.channels not in (1, 3):
             raise ValueError(f"Digits.channels must be 1 or 3; got {self.channels!r}.")
@@ -386,7 +370,7 @@ class Digits:
 
     def load(self, batch: int, tokenize: Tokenize | None = None) -> Dataset:
         """A Dataset of "image" and "label" (`tokenize` is unused: digits have no captions)."""
-        check_batch(batch, "Digits")
+        batch = count(batch, "Digits.load batch")
         images, labels = self.arrays()
         train, val = split_records(len(images), self.val_fraction, self.seed, "Digits")
         train_columns = {"image": images[train], "label": labels[train]}
@@ -444,12 +428,8 @@ class TFDSImages:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        check_size(self.image_size, "TFDSImages.image_size")
-        _check_seed(self.seed, "TFDSImages")
+        count_fields(self, image_size=1, seed=0, val_batches=0)
         _check_loading(self.loading, "TFDSImages")
-        held = self.val_batches
-        if not isinstance(held, int) or isinstance(held, bool) or held < 0:
-            raise ValueError(f"TFDSImages.val_batches must be a non-negative int; got {held!r}.")
 
     def shards(self) -> list[str]:
         """The split's ArrayRecord shard files, in order."""
@@ -487,7 +467,7 @@ class TFDSImages:
 
     def load(self, batch: int, tokenize: Tokenize | None = None) -> Dataset:
         """A Dataset of "image", "label" (unless label_key is None) and "caption" (with caption_key)."""
-        check_batch(batch, "TFDSImages")
+        batch = count(batch, "TFDSImages.load batch")
         shards = self.shards()
         declared = self.features()
         keys = {"image_key": self.image_key, "label_key": self.label_key,

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import count
 from dew.data.chat_messages import read_records
 from dew.data.dataset import Dataset, Loading
 
@@ -36,8 +37,7 @@ class PreferencePairs:
             records, path = None, records
         if (records is None) == (path is None):
             raise ValueError("PreferencePairs takes exactly one of records= (dicts or JSON strings) or path=.")
-        if not isinstance(seq_len, int) or seq_len < 2:
-            raise ValueError(f"seq_len (the width of a whole id row) must be an int >= 2; got {seq_len!r}.")
+        seq_len = count(seq_len, "PreferencePairs seq_len (the width of a whole id row)", minimum=2)
         self.records = records
         self.path = path
         self.seq_len = seq_len

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import count
 from dew.data.chat_messages import ChatTemplate, read_records
 from dew.data.dataset import Dataset, Loading
 
@@ -69,8 +70,7 @@ class Prompts:
             records, path = None, records
         if (records is None) == (path is None):
             raise ValueError("Prompts takes exactly one of records= (dicts or JSON strings) or path=.")
-        if not isinstance(prompt_len, int) or prompt_len < 1:
-            raise ValueError(f"prompt_len must be a positive int; got {prompt_len!r}.")
+        prompt_len = count(prompt_len, "Prompts prompt_len")
         self.records = records
         self.path = path
         self.prompt_len = prompt_len

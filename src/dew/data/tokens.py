@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import count, count_fields
 from dew.data.dataset import Batch, Dataset, Loading, Partition
 from dew.data.tokenizers import BYTE, Tokenizer, load_tokenizer
 
@@ -368,18 +369,14 @@ class TokenWindows:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
-            raise ValueError(f"TokenWindows.seq_len must be a positive int; got {self.seq_len!r}.")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"TokenWindows.seed must be a non-negative int; got {self.seed!r}.")
+        count_fields(self, seq_len=1, seed=0)
         if not isinstance(self.loading, Loading):
             raise TypeError(f"TokenWindows.loading must be a Loading; got {self.loading!r}.")
 
     def load(self, batch: int) -> Dataset:
         """A Dataset of global batches of `batch` rows: "text" (int32, seq_len + 1 ids) and, when
         packing, "segment_ids" and "positions" (int32, same shape)."""
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise ValueError(f"TokenWindows.load needs a positive int batch; got {batch!r}.")
+        batch = count(batch, "TokenWindows.load batch")
         if self.path is None:
             raise ValueError(
                 "TokenWindows.path is None; set it to a directory that `dew tokenize` wrote "

@@ -16,12 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import count, count_fields
 from dew.data.dataset import Batch, Dataset, Loading, Partition
 from dew.data.images import (
     IMAGE_SUFFIXES,
     Rows,
-    check_batch,
-    check_size,
     flip_coin,
     natural_key,
     read_image,
@@ -51,13 +50,7 @@ class VideoFrames:
     loading: Loading = Loading()
 
     def __post_init__(self):
-        check_size(self.image_size, "VideoFrames.image_size")
-        for name in ("frames", "stride"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"VideoFrames.{name} must be a positive int; got {value!r}.")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"VideoFrames.seed must be a non-negative int; got {self.seed!r}.")
+        count_fields(self, image_size=1, frames=1, stride=1, seed=0)
         if not isinstance(self.loading, Loading):
             raise TypeError(f"VideoFrames.loading must be a Loading; got {self.loading!r}.")
 
@@ -92,7 +85,7 @@ class VideoFrames:
 
     def load(self, batch: int, tokenize=None) -> Dataset:
         """A Dataset of "video" (uint8 [frames, S, S, 3]) windows (`tokenize` is unused: no captions)."""
-        check_batch(batch, "VideoFrames")
+        batch = count(batch, "VideoFrames.load batch")
         clips = list(self.clips().values())
         train_clips, val_clips = split_records(len(clips), self.val_fraction, self.seed, "VideoFrames")
         train = self._windows([clips[i] for i in train_clips])

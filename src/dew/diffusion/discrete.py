@@ -178,8 +178,7 @@ class MDLM:
     eps: float = 1e-3
 
     def __call__(self) -> MaskedDiffusion:
-        if isinstance(self.mask_id, bool) or not isinstance(self.mask_id, (int, np.integer)) or self.mask_id < 0:
-            raise ValueError(f"mask_id must be a non-negative int; got {self.mask_id!r}.")
+        count(self.mask_id, "mask_id", minimum=0)
         if not 0 < self.eps < 1:
             raise ValueError(f"eps must be in (0, 1); got {self.eps!r}.")
         return MaskedDiffusion(mask_id=int(self.mask_id), eps=float(self.eps))

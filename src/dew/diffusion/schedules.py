@@ -23,6 +23,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
+
 
 def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float = 7.0):
     """The grid of Karras et al. (2022), eq. 5: uniform in sigma^(1/rho), then a final 0."""
@@ -63,16 +65,11 @@ class Schedule:
 
     def grid(self, steps: int):
         """``steps + 1`` descending sigma-space noise levels, uniform in t, ending with 0."""
-        _check_steps(steps)
+        steps = count(steps, "steps")
         t_hi, t_lo = self.time(jnp.float32(self.sigma_max)), self.time(jnp.float32(self.sigma_min))
         levels = self.noise_level(jnp.linspace(t_hi, t_lo, steps))
         levels = levels.at[-1].set(self.sigma_min).at[0].set(self.sigma_max)  # exact ends
         return jnp.append(levels, 0.0)
-
-
-def _check_steps(steps):
-    if not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
 
 
 # ---------------------------------------------------------------- variance preserving
@@ -122,7 +119,7 @@ class LinearSchedule(Schedule):
         return n / (self.timesteps - 1)
 
     def grid(self, steps: int):
-        _check_steps(steps)
+        steps = count(steps, "steps")
         if steps > self.timesteps:
             raise ValueError(
                 f"LinearSchedule has {self.timesteps} discrete timesteps, so a grid of {steps} steps "
@@ -209,7 +206,7 @@ class KarrasSchedule(Schedule):
         return (noise_level ** (1 / self.rho) - lo) / (hi - lo)
 
     def grid(self, steps: int):
-        _check_steps(steps)
+        steps = count(steps, "steps")
         return karras_sigmas(steps, self.sigma_min, self.sigma_max, self.rho)
 
 
@@ -233,7 +230,7 @@ class ExponentialSchedule(Schedule):
         return (jnp.log(noise_level) - lo) / (hi - lo)
 
     def grid(self, steps: int):
-        _check_steps(steps)
+        steps = count(steps, "steps")
         return exponential_sigmas(steps, self.sigma_min, self.sigma_max)
 
 
@@ -277,7 +274,7 @@ class FlowSchedule(Schedule):
         return noise_level / (1.0 + noise_level)
 
     def grid(self, steps: int):
-        _check_steps(steps)
+        steps = count(steps, "steps")
         t = self._shifted(jnp.linspace(self.t_max, self.t_min, steps))
         levels = (t / (1.0 - t)).at[-1].set(self.sigma_min).at[0].set(self.sigma_max)
         return jnp.append(levels, 0.0)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dew.checks import count
+from dew.files import write_atomic
+from dew.pixels import png_bytes, to_uint8, to_unit_range
 
 Features = Callable[[Any], Any]
 
@@ -112,15 +115,15 @@ class _MeanImageScore:
         return 0.0, 0
 
     def update(self, accumulator, outputs):
-        total, count = accumulator
+        total, scored = accumulator
         label = type(self).__name__
         a, b = _images(outputs, self.key_a, label), _images(outputs, self.key_b, label)
         values = np.atleast_1d(self.score(a, b))
-        return total + float(np.sum(values)), count + values.size
+        return total + float(np.sum(values)), scored + values.size
 
     def result(self, accumulator):
-        total, count = accumulator
-        return {self.name: total / count if count else float("nan")}
+        total, scored = accumulator
+        return {self.name: total / scored if scored else float("nan")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,16 +277,6 @@ def _reference_statistics(reference) -> tuple[np.ndarray, np.ndarray]:
 # Feature networks
 
 
-def to_unit_range(images) -> Any:
-    """Images as float32 in [-1, 1]: uint8 is scaled from 0..255, floats are taken as [-1, 1]."""
-    import jax.numpy as jnp
-
-    images = jnp.asarray(images)
-    if images.dtype == jnp.uint8:
-        return images.astype(jnp.float32) / 127.5 - 1.0
-    return images.astype(jnp.float32)
-
-
 class InceptionFeatures:
     """The 2048 pool3 features of the FID Inception-v3, from a weights file on disk.
 
@@ -363,32 +356,24 @@ class RandomConvFeatures:
 # Image grids
 
 
-def to_uint8(images) -> np.ndarray:
-    """uint8 images as they are; floats in [-1, 1] scaled to 0..255 (clipped, rounded)."""
-    images = np.asarray(images)
-    if images.dtype == np.uint8:
-        return images
-    return np.round((np.clip(images.astype(np.float32), -1.0, 1.0) + 1.0) * 127.5).astype(np.uint8)
-
-
 def image_grid(images, rows: int | None = None, *, padding: int = 0) -> np.ndarray:
     """Tile images [N, H, W, C] (uint8, or float in [-1, 1]) into one uint8 [H', W', C] grid.
 
     `rows` defaults to a near-square layout; empty cells (and `padding` pixels between cells) are black.
     """
+    rows = count(rows, "image_grid rows", optional=True)
+    padding = count(padding, "image_grid padding", minimum=0)
     images = to_uint8(images)
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or len(images) == 0:
         raise ValueError(f"image_grid takes a non-empty batch [N, H, W, C]; got shape {images.shape}.")
-    count, height, width, channels = images.shape
+    n_images, height, width, channels = images.shape
     if rows is None:
-        columns = math.ceil(math.sqrt(count))
-        rows = math.ceil(count / columns)
+        columns = math.ceil(math.sqrt(n_images))
+        rows = math.ceil(n_images / columns)
     else:
-        if not isinstance(rows, int) or rows < 1:
-            raise ValueError(f"image_grid rows must be a positive int; got {rows!r}.")
-        columns = math.ceil(count / rows)
+        columns = math.ceil(n_images / rows)
     step_h, step_w = height + padding, width + padding
     grid = np.zeros((rows * step_h - padding, columns * step_w - padding, channels), np.uint8)
     for index, image in enumerate(images[: rows * columns]):
@@ -399,15 +384,4 @@ def image_grid(images, rows: int | None = None, *, padding: int = 0) -> np.ndarr
 
 def save_image_grid(images, path: str | os.PathLike, rows: int | None = None, *, padding: int = 0) -> Path:
     """Write `image_grid(images, rows)` as a PNG at `path`, atomically (a temporary file renamed)."""
-    from PIL import Image
-
-    path = Path(path)
-    grid = image_grid(images, rows, padding=padding)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(temporary, format="PNG")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path
+    return write_atomic(path, png_bytes(image_grid(images, rows, padding=padding)))

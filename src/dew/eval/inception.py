@@ -26,6 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 FEATURES = 2048
 INPUT_SIZE = 299
@@ -227,8 +228,7 @@ def variables_from_torch(tensors: Mapping[str, np.ndarray], source: str = "the w
     ("fc.*") and counters are ignored. Every tensor the network needs must be present with its shape.
     """
     expected = variable_shapes()
-    params: dict[str, Any] = {}
-    stats: dict[str, Any] = {}
+    flat: dict[tuple[str, ...], np.ndarray] = {}
     leaf = {"weight": "scale", "bias": "bias", "running_mean": "mean", "running_var": "var"}
     for name, value in tensors.items():
         parts = name.split(".")
@@ -236,40 +236,35 @@ def variables_from_torch(tensors: Mapping[str, np.ndarray], source: str = "the w
             continue
         *path, module, kind = parts
         if module == "conv" and kind == "weight":
-            collection, key, value = params, "kernel", np.transpose(value, (2, 3, 1, 0))
+            collection, key, value = "params", "kernel", np.transpose(value, (2, 3, 1, 0))
         elif module == "bn" and kind in leaf:
-            collection = stats if kind.startswith("running") else params
+            collection = "batch_stats" if kind.startswith("running") else "params"
             key = leaf[kind]
         else:
             raise ValueError(
                 f"{source} holds {name!r}, which is not a tensor of the FID Inception network "
                 "(expected names such as 'Mixed_5b.branch1x1.conv.weight')."
             )
-        node = collection
-        for part in [*path, module]:
-            node = node.setdefault(part, {})
-        node[key] = np.asarray(value, dtype=np.float32)
-    variables = {"params": params, "batch_stats": stats}
-    flat_expected = _flatten(expected)
-    flat_given = _flatten(variables)
-    missing = sorted(set(flat_expected) - set(flat_given))
+        flat[(collection, *path, module, key)] = np.asarray(value, dtype=np.float32)
+    flat_expected = flatten_dict(expected)
+    missing = sorted(set(flat_expected) - set(flat))
     if missing:
         raise ValueError(
             f"{source} lacks {len(missing)} tensors of the FID Inception network, such as "
             f"{_torch_name(missing[0])!r}; is it pytorch-fid's pt_inception-2015-12-05 state dict?"
         )
     for key, shape_struct in flat_expected.items():
-        if flat_given[key].shape != shape_struct.shape:
+        if flat[key].shape != shape_struct.shape:
             raise ValueError(
-                f"{source}: {_torch_name(key)!r} has shape {flat_given[key].shape} after moving to "
+                f"{source}: {_torch_name(key)!r} has shape {flat[key].shape} after moving to "
                 f"Flax's layout, but the network expects {shape_struct.shape}."
             )
-    extra = sorted(set(flat_given) - set(flat_expected))
+    extra = sorted(set(flat) - set(flat_expected))
     if extra:
         raise ValueError(
             f"{source} holds tensors the network does not have, such as {_torch_name(extra[0])!r}."
         )
-    return variables
+    return unflatten_dict(flat)
 
 
 @functools.lru_cache(maxsize=1)
@@ -283,7 +278,7 @@ def variable_shapes() -> dict[str, Any]:
 def torch_state_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """The inverse of `variables_from_torch`: pytorch-fid's names and layouts (for tests and export)."""
     out = {}
-    for key, value in _flatten(variables).items():
+    for key, value in flatten_dict(dict(variables)).items():
         out[_torch_name(key)] = (
             np.transpose(np.asarray(value), (3, 2, 0, 1)) if key[-1] == "kernel" else np.asarray(value)
         )
@@ -328,7 +323,7 @@ def random_torch_state(seed: int) -> dict[str, np.ndarray]:
 def _torch_shapes() -> dict[str, tuple[int, ...]]:
     """pytorch-fid's names and shapes for the port's tensors, and its batch-norm counters."""
     shapes = {}
-    for key, leaf in _flatten(variable_shapes()).items():
+    for key, leaf in flatten_dict(variable_shapes()).items():
         name = _torch_name(key)
         shape = tuple(leaf.shape)
         shapes[name] = tuple(shape[i] for i in (3, 2, 0, 1)) if key[-1] == "kernel" else shape
@@ -342,12 +337,3 @@ def _torch_name(key: tuple[str, ...]) -> str:
             "var": "running_var"}[key[-1]]
     return ".".join([*key[1:-1], kind])
 
-
-def _flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, prefix + (key,)))
-        else:
-            out[prefix + (key,)] = value
-    return out

@@ -16,6 +16,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count, count_fields
+
 
 def effective_rank(features: Any, *, center: bool = True, eps: float = 1e-7) -> Any:
     """exp(entropy) of the normalized singular values of features [N, D] (RankMe, Garrido et al.
@@ -159,10 +161,7 @@ class KnnProbe:
     name: str = "knn_accuracy"
 
     def __post_init__(self):
-        if not isinstance(self.num_classes, (int, np.integer)) or self.num_classes < 2:
-            raise ValueError(f"KnnProbe num_classes must be an int >= 2; got {self.num_classes!r}.")
-        if not isinstance(self.k, (int, np.integer)) or self.k < 1:
-            raise ValueError(f"KnnProbe k must be a positive int; got {self.k!r}.")
+        count_fields(self, num_classes=2, k=1)
         if self.split not in ("half", "leave_one_out"):
             raise ValueError(f"KnnProbe split must be 'half' or 'leave_one_out'; got {self.split!r}.")
 
@@ -205,12 +204,11 @@ class LinearProbe:
     name: str = "linear_accuracy"
 
     def __post_init__(self):
-        if not isinstance(self.num_classes, (int, np.integer)) or self.num_classes < 2:
-            raise ValueError(f"LinearProbe num_classes must be an int >= 2; got {self.num_classes!r}.")
+        count_fields(self, num_classes=2, max_iter=1, seed=0)
         if not 0.0 < self.fit_fraction < 1.0:
             raise ValueError(f"LinearProbe fit_fraction must be in (0, 1); got {self.fit_fraction!r}.")
-        if self.labels_per_class is not None and self.labels_per_class < 1:
-            raise ValueError(f"LinearProbe labels_per_class must be None or >= 1; got {self.labels_per_class!r}.")
+        labels_per_class = count(self.labels_per_class, "LinearProbe.labels_per_class", optional=True)
+        object.__setattr__(self, "labels_per_class", labels_per_class)
 
     def empty(self):
         return (), ()

@@ -40,7 +40,9 @@ class Images:
 
     def uint8(self) -> np.ndarray:
         """The samples as uint8 0..255 (host NumPy)."""
-        return np.clip(np.round((np.asarray(self.images) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+        from dew.pixels import to_uint8
+
+        return to_uint8(self.images)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 from flax.core import meta
 
 from dew.data.tokenizers import HFTokenizer
@@ -91,26 +92,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 # --- params <-> checkpoint tensors ----------------------------------------------------------------
 
 
-def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flat(value, path + "/"))
-        else:
-            flat[path] = value
-    return flat
+def _flat(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A params tree as {"a/b/kernel": array}, the names the weight tables use."""
+    return traverse_util.flatten_dict(dict(tree), sep="/")
 
 
 def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return tree
+    return traverse_util.unflatten_dict(dict(flat), sep="/")
 
 
 def _expected_params(model: CausalTransformer) -> dict[str, jax.ShapeDtypeStruct]:

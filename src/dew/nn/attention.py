@@ -18,11 +18,14 @@ through `jax.nn.dot_product_attention`, and "auto" picks one per call (`resolve_
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dew.checks import count
 
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")
 
@@ -225,10 +228,8 @@ def dot_product_attention(
         raise ValueError(f"k and v must be [{batch}, len, kv_heads, {head_dim}]; got {k.shape}, {v.shape}")
     if heads % kv_heads:
         raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kv_heads})")
-    if isinstance(window, (int, np.integer)):
-        window = int(window)
-        if window < 1:
-            raise ValueError(f"window must be a positive number of keys, got {window}")
+    if isinstance(window, numbers.Number):  # a host scalar; a traced window is checked by its use
+        window = count(window, "window (the number of keys a query sees)")
     if segment_ids is not None:
         if q_segment_ids is not None or kv_segment_ids is not None:
             raise ValueError("pass segment_ids or q_segment_ids/kv_segment_ids, not both")

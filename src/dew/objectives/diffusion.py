@@ -19,6 +19,7 @@ import numpy as np
 from dew.diffusion.presets import as_process
 from dew.inference.image import TextToImage
 from dew.objectives.base import Aux, InputSpec, Objective, inference_variables
+from dew.pixels import to_unit_range
 from dew.tracking.records import Artifact
 
 
@@ -106,7 +107,7 @@ class DiffusionObjective(Objective):
 
     def to_model_space(self, samples: jax.Array) -> jax.Array:
         """uint8 samples to [-1, 1] floats, then to latents when there is an autoencoder."""
-        x = samples.astype(jnp.float32) / 127.5 - 1.0 if samples.dtype == jnp.uint8 else samples.astype(jnp.float32)
+        x = to_unit_range(samples)
         return self.autoencoder.encode(x) if self.autoencoder is not None else x
 
     def conditions_of(self, batch, key=None) -> dict[str, jax.Array] | None:
@@ -159,7 +160,7 @@ class DiffusionObjective(Objective):
             if self.autoencoder is not None:
                 drawn = self.autoencoder.decode(drawn)
             outputs["samples"] = jnp.clip(drawn, -1.0, 1.0)
-            outputs["images"] = real.astype(jnp.float32) / 127.5 - 1.0 if real.dtype == jnp.uint8 else real
+            outputs["images"] = to_unit_range(real)
         return outputs
 
     def settings(self) -> dict[str, Any]:

@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
 from dew.eval.probes import KnnProbe, LinearProbe, effective_rank, feature_std
 from dew.nn.backbones.jepa import JepaEncoder, JepaPredictor, gather_tokens
 from dew.objectives.base import Aux, Field, InputSpec, Objective, Step, Variables
+from dew.pixels import to_unit_range
 
 __all__ = [
     "JepaEncoder",
@@ -88,14 +90,13 @@ class MultiBlockMask:
 
     def __post_init__(self):
         grid = tuple(self.grid) if isinstance(self.grid, Sequence) else (self.grid,)
-        if len(grid) not in (2, 3) or any(not isinstance(g, (int, np.integer)) or g < 1 for g in grid):
+        if len(grid) not in (2, 3):
             raise ValueError(
                 f"MultiBlockMask grid must be (height, width) or (frames, height, width) in tokens; "
                 f"got {self.grid!r}."
             )
-        object.__setattr__(self, "grid", tuple(int(g) for g in grid))
-        if not isinstance(self.num_targets, (int, np.integer)) or self.num_targets < 1:
-            raise ValueError(f"MultiBlockMask num_targets must be a positive int; got {self.num_targets!r}.")
+        object.__setattr__(self, "grid", tuple(count(g, "MultiBlockMask.grid entry") for g in grid))
+        object.__setattr__(self, "num_targets", count(self.num_targets, "MultiBlockMask.num_targets"))
         object.__setattr__(self, "scale", _pair(self.scale, "scale", 0.0, 1.0))
         object.__setattr__(self, "aspect", _pair(self.aspect, "aspect", 0.0, math.inf))
         object.__setattr__(self, "context_scale", _pair(self.context_scale, "context_scale", 0.0, 1.0))
@@ -191,14 +192,14 @@ class MultiBlockMask:
         return (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
 
     def _sample_one(self, key):
-        n, count = self.spatial_tokens, self._block_tokens
+        n, block_tokens = self.spatial_tokens, self._block_tokens
         keys = jax.random.split(key, self.num_targets + 2)
         taken = jnp.zeros((n,), bool)
         targets = []
         for m in range(self.num_targets):
-            block = self._block(keys[m], self.scale, self.aspect, count).reshape(n)
-            chosen = block & (jnp.cumsum(block) <= count)  # the block's first `count` tokens
-            targets.append(jnp.sort(jnp.argsort(~chosen, stable=True)[:count]))
+            block = self._block(keys[m], self.scale, self.aspect, block_tokens).reshape(n)
+            chosen = block & (jnp.cumsum(block) <= block_tokens)  # the block's first `block_tokens`
+            targets.append(jnp.sort(jnp.argsort(~chosen, stable=True)[:block_tokens]))
             taken = taken | chosen
         context_block = self._block(keys[-2], self.context_scale, (1.0, 1.0), 0).reshape(n)
         # free tokens inside the context block first, then free tokens outside, random order
@@ -263,8 +264,7 @@ class JepaObjective(Objective):
         low, high = (float(m) for m in momentum)
         if not 0.0 <= low <= 1.0 or not 0.0 <= high <= 1.0:
             raise ValueError(f"momentum must be a (start, end) pair in [0, 1]; got {momentum!r}.")
-        if momentum_steps is not None and (not isinstance(momentum_steps, int) or momentum_steps < 1):
-            raise ValueError(f"momentum_steps must be None or a positive int; got {momentum_steps!r}.")
+        momentum_steps = count(momentum_steps, "JepaObjective.momentum_steps", optional=True)
         if loss not in ("smooth_l1", "l2"):
             raise ValueError(f"loss must be 'smooth_l1' or 'l2'; got {loss!r}.")
         self.encoder = encoder
@@ -288,7 +288,7 @@ class JepaObjective(Objective):
         k_encoder, k_predictor = jax.random.split(key)
         x = jnp.zeros((1,) + tuple(self.sample.shape), jnp.float32)
         encoder = self.encoder.init(k_encoder, x)["params"]
-        indices = self.mask.sample(jax.random.key(0), 1)
+        indices = self.mask.sample(jax.random.fold_in(key, 2), 1)  # only its shapes reach the predictor
         context = jnp.zeros((1, self.mask.context_tokens, self.encoder.emb_features), jnp.float32)
         predictor = self.predictor.init(k_predictor, context, indices.context, indices.targets)["params"]
         return {
@@ -327,7 +327,7 @@ class JepaObjective(Objective):
     # ---- the loss ----
 
     def _pixels(self, batch) -> jax.Array:
-        return batch[self.sample.key].astype(jnp.float32) / 127.5 - 1.0
+        return to_unit_range(batch[self.sample.key])
 
     def _targets(self, variables, x):
         """The target encoder's tokens on the whole input, without gradient."""

@@ -23,10 +23,11 @@ from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_vari
 
 class MaskedDiffusionObjective(Objective):
     """MDLM training for a bidirectional `CausalTransformer(causal=False)` whose vocabulary
-    includes the process's mask id."""
+    includes the process's mask id. Like `DiffusionObjective` it keeps an EMA copy of the weights
+    (``ema_decay=0.999``; None keeps none), which its pipeline serves by default."""
 
     def __init__(self, model: Any, process: MaskedDiffusion, seq_len: int, *,
-                 variables: Mapping[str, Any] | None = None, ema_decay: float | None = None,
+                 variables: Mapping[str, Any] | None = None, ema_decay: float | None = 0.999,
                  tokenizer: Any = None):
         process = as_masked_process(process)
         seq_len = count(seq_len, "seq_len")

@@ -273,8 +273,7 @@ class SampledRollout:
                  decode: Callable[[list[int]], str] | None = None, normalize: bool = True):
         if not callable(reward):
             raise TypeError(f"reward must be callable as reward(data_source, completion, ground_truth, extra_info); got {reward!r}.")
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
-            raise ValueError(f"groups must be an int >= 2 (advantages compare responses to one prompt); got {groups!r}.")
+        groups = count(groups, "groups (advantages compare the responses to one prompt)", minimum=2)
         max_new_tokens = count(max_new_tokens, "max_new_tokens")
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling; got {type(sampling).__name__}.")

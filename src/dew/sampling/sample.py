@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
+
 
 @functools.partial(jax.jit, static_argnames=("solver",))
 def _integrate(solver, denoise, guidance, x, sigmas, key):
@@ -17,8 +19,7 @@ def _integrate(solver, denoise, guidance, x, sigmas, key):
 
 
 def _grid(denoise, steps, grid, process):
-    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    steps = count(steps, "steps")
     if grid is not None and process is not None:
         raise ValueError("pass grid= or process=, not both")
     if grid is None:
@@ -43,7 +44,8 @@ def sample(denoise, x_T, *, solver, steps, key=None, guidance=None, grid=None, p
     gives one for a backbone; its process supplies the grid). ``grid`` is an explicit array of
     ``steps + 1`` descending levels or a function of steps; ``process`` takes the grid from a
     Process. ``guidance`` (e.g. `CFG`) wraps the denoiser; None turns guidance off. ``key`` feeds
-    stochastic solvers (default key 0). The run is jitted, with the weights as arguments.
+    stochastic solvers, which raise without one (there is no default key); deterministic solvers
+    need none. The run is jitted, with the weights as arguments.
 
     Raises FloatingPointError naming the first step whose result held NaN or Inf (checked after the
     scan; skipped when sample itself is traced inside a caller's jit).
@@ -51,7 +53,6 @@ def sample(denoise, x_T, *, solver, steps, key=None, guidance=None, grid=None, p
     sigmas = _grid(denoise, steps, grid, process)
     if not isinstance(denoise, jax.tree_util.Partial) and not _is_pytree_denoiser(denoise):
         denoise = jax.tree_util.Partial(denoise)
-    key = jax.random.key(0) if key is None else key
     x, bad = _integrate(solver, denoise, guidance, x_T, sigmas, key)
     if not isinstance(bad, jax.core.Tracer):
         bad = int(bad)

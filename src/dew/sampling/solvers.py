@@ -10,6 +10,8 @@ under that scaling, so in sigma space they take the same steps as their VP formu
 A solver is a frozen dataclass of settings; ``solver(denoise, x, sigmas, key) -> x`` runs it under
 ``lax.scan``, and ``solver.integrate(...)`` also returns the index of the first step whose result
 was not finite (-1 if none), so callers can report it after the scan without a host sync inside.
+A solver whose settings make it draw fresh noise (``solver.stochastic``) needs a key and raises
+without one; a deterministic solver ignores the key and may be called without it.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ import numpy as np
 from jax import lax
 
 
-def _scan(step, x, sigmas, key, state):
-    """Run ``step(i, x, state, key) -> (x, state)`` for i = 0 .. steps - 1 under lax.scan."""
+def _scan(solver, step, x, sigmas, key, state):
+    """Run ``step(i, x, state, key) -> (x, state)`` for i = 0 .. steps - 1 under lax.scan.
+
+    Each step gets its own key split from `key`; a deterministic solver called without a key gets
+    None in every step (it never reads it), a stochastic one raises before tracing.
+    """
+    solver.check_key(key)
     n = sigmas.shape[0] - 1
-    key = jax.random.key(0) if key is None else key
-    keys = jax.random.split(key, n)
+    keys = None if key is None else jax.random.split(key, n)
 
     def body(carry, inputs):
         x, state, bad = carry
@@ -63,13 +69,27 @@ def _safe(sigma):
 
 
 class Solver:
-    """Base class: subclasses implement ``integrate``."""
+    """Base class: subclasses implement ``integrate``; those that draw noise override ``stochastic``."""
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether this solver, with these settings, adds fresh noise (and so needs a key)."""
+        return False
 
     def __call__(self, denoise, x, sigmas, key=None):
         return self.integrate(denoise, x, sigmas, key)[0]
 
     def integrate(self, denoise, x, sigmas, key=None):
         raise NotImplementedError
+
+    def check_key(self, key) -> None:
+        """Raise when this solver draws noise and no key was given (there is no default key)."""
+        if key is None and self.stochastic:
+            raise ValueError(
+                f"{self!r} is stochastic: it draws fresh noise at every step, so it needs a key. "
+                f"Pass key=jax.random.key(seed) (a new key for each different sample), or choose a "
+                f"deterministic solver such as Heun() or Euler()."
+            )
 
 
 # ---------------------------------------------------------------- first order
@@ -83,7 +103,7 @@ class Euler(Solver):
         def step(i, x, state, key):
             s, s_next = sigmas[i], sigmas[i + 1]
             return x + _d(x, s, denoise(x, s)) * (s_next - s), state
-        return _scan(step, x, sigmas, key, ())
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,14 +114,18 @@ class DDIM(Solver):
 
     eta: float = 0.0
 
+    @property
+    def stochastic(self) -> bool:
+        return self.eta != 0
+
     def integrate(self, denoise, x, sigmas, key=None):
         def step(i, x, state, key):
             s, s_next = sigmas[i], sigmas[i + 1]
             denoised = denoise(x, s)
             down, up = _ancestral(s, s_next, self.eta)
             x = denoised + down * _d(x, s, denoised)
-            return (x + up * _noise(key, x) if self.eta else x), state
-        return _scan(step, x, sigmas, key, ())
+            return (x + up * _noise(key, x) if self.stochastic else x), state
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +133,12 @@ class DDPM(Solver):
     """Ancestral sampling from DDPM's posterior q(x_s' | x_s, x0_hat) (Ho et al. 2020, Alg. 2):
     the mean x0 + (s'/s)^2 (x - x0) and variance s'^2 (s^2 - s'^2) / s^2 in sigma space."""
 
+    @property
+    def stochastic(self) -> bool:
+        return True
+
     def integrate(self, denoise, x, sigmas, key=None):
+        self.check_key(key)
         return DDIM(eta=1.0).integrate(denoise, x, sigmas, key)
 
 
@@ -120,13 +149,17 @@ class EulerAncestral(Solver):
     eta: float = 1.0
     s_noise: float = 1.0
 
+    @property
+    def stochastic(self) -> bool:
+        return self.eta != 0 and self.s_noise != 0
+
     def integrate(self, denoise, x, sigmas, key=None):
         def step(i, x, state, key):
             s, s_next = sigmas[i], sigmas[i + 1]
             down, up = _ancestral(s, s_next, self.eta)
             x = x + _d(x, s, denoise(x, s)) * (down - s)
-            return x + _noise(key, x) * self.s_noise * up, state
-        return _scan(step, x, sigmas, key, ())
+            return (x + _noise(key, x) * self.s_noise * up if self.stochastic else x), state
+        return _scan(self, step, x, sigmas, key, ())
 
 
 # ---------------------------------------------------------------- Runge-Kutta
@@ -150,7 +183,7 @@ class Heun(Solver):
     def integrate(self, denoise, x, sigmas, key=None):
         def step(i, x, state, key):
             return _heun_step(denoise, x, sigmas[i], sigmas[i + 1]), state
-        return _scan(step, x, sigmas, key, ())
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +205,7 @@ class RK4(Solver):
                 k4 = f(x + h * k3, s_next)
                 return x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
             return lax.cond(s_next > 0, rk4, lambda _: x + h * k1, None), state
-        return _scan(step, x, sigmas, key, ())
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +223,7 @@ class KDPM2(Solver):
                 x_mid = x + d * (s_mid - s)
                 return x + _d(x_mid, s_mid, denoise(x_mid, s_mid)) * (s_next - s)
             return lax.cond(s_next > 0, midpoint, lambda _: x + d * (s_next - s), None), state
-        return _scan(step, x, sigmas, key, ())
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +237,10 @@ class EDMStochastic(Solver):
     s_tmax: float = 50.0
     s_noise: float = 1.003
 
+    @property
+    def stochastic(self) -> bool:
+        return self.churn > 0 and self.s_noise != 0
+
     def integrate(self, denoise, x, sigmas, key=None):
         n = sigmas.shape[0] - 1
         gamma_on = min(self.churn / n, math.sqrt(2.0) - 1.0)
@@ -212,9 +249,10 @@ class EDMStochastic(Solver):
             s, s_next = sigmas[i], sigmas[i + 1]
             gamma = jnp.where((s >= self.s_tmin) & (s <= self.s_tmax), gamma_on, 0.0)
             s_hat = s * (1.0 + gamma)
-            x = x + jnp.sqrt(jnp.maximum(s_hat**2 - s**2, 0.0)) * self.s_noise * _noise(key, x)
+            if self.stochastic:
+                x = x + jnp.sqrt(jnp.maximum(s_hat**2 - s**2, 0.0)) * self.s_noise * _noise(key, x)
             return _heun_step(denoise, x, s_hat, s_next), state
-        return _scan(step, x, sigmas, key, ())
+        return _scan(self, step, x, sigmas, key, ())
 
 
 # ---------------------------------------------------------------- linear multistep
@@ -255,7 +293,7 @@ class LMS(Solver):
                             (0, order - k)) for k in range(1, order + 1)]
             coeffs = jnp.stack(rows)[jnp.minimum(i, order - 1)]
             return x + jnp.tensordot(coeffs, history, 1), history
-        return _scan(step, x, sigmas, key, jnp.zeros((order,) + x.shape, x.dtype))
+        return _scan(self, step, x, sigmas, key, jnp.zeros((order,) + x.shape, x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +320,7 @@ class PNDM(Solver):
                 return x + eps * (s_next - s)
             x = lax.cond(i == 0, heun, adams, None)
             return x, jnp.concatenate([d[None], history[:-1]])
-        return _scan(step, x, sigmas, key, jnp.zeros((3,) + x.shape, x.dtype))
+        return _scan(self, step, x, sigmas, key, jnp.zeros((3,) + x.shape, x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +362,7 @@ class DEIS(Solver):
                 rows.append(jnp.pad(jnp.stack(row), (0, order - k)))
             coeffs = jnp.stack(rows)[jnp.minimum(i, order - 1)]
             return x + jnp.tensordot(coeffs, history, 1), history
-        return _scan(step, x, sigmas, key, jnp.zeros((order,) + x.shape, x.dtype))
+        return _scan(self, step, x, sigmas, key, jnp.zeros((order,) + x.shape, x.dtype))
 
 
 # ---------------------------------------------------------------- DPM-Solver family
@@ -371,7 +409,7 @@ class DPMSolver(Solver):
                 return (x - s_next * jnp.expm1(h) * e0
                         - s_next / r2 * (jnp.expm1(h) / h - 1) * (e2 - e0))
             return lax.cond(s_next > 0, update, lambda _: denoised, None), state
-        return _scan(step, x, sigmas, key, ())
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +429,7 @@ class DPMSolverPP2M(Solver):
             d = jnp.where(i > 0, corrected, denoised)
             x = jnp.where(s_next > 0, (s_next / s) * x - jnp.expm1(-h) * d, denoised)
             return x, denoised
-        return _scan(step, x, sigmas, key, jnp.zeros_like(x))
+        return _scan(self, step, x, sigmas, key, jnp.zeros_like(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +439,10 @@ class DPMSolverPP2S(Solver):
 
     eta: float = 0.0
     s_noise: float = 1.0
+
+    @property
+    def stochastic(self) -> bool:
+        return self.eta != 0 and self.s_noise != 0
 
     def integrate(self, denoise, x, sigmas, key=None):
         def step(i, x, state, key):
@@ -414,8 +456,8 @@ class DPMSolverPP2S(Solver):
                 x_mid = (s_mid / s) * x - jnp.expm1(-h / 2) * denoised
                 return (down / s) * x - jnp.expm1(-h) * denoise(x_mid, s_mid)
             x = lax.cond(down > 0, second, lambda _: denoised, None)
-            return (x + _noise(key, x) * self.s_noise * up if self.eta else x), state
-        return _scan(step, x, sigmas, key, ())
+            return (x + _noise(key, x) * self.s_noise * up if self.stochastic else x), state
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +468,10 @@ class DPMSolverPPSDE(Solver):
 
     eta: float = 1.0
     s_noise: float = 1.0
+
+    @property
+    def stochastic(self) -> bool:
+        return self.eta != 0 and self.s_noise != 0
 
     def integrate(self, denoise, x, sigmas, key=None):
         def step(i, x, old_denoised, key):
@@ -438,11 +484,11 @@ class DPMSolverPPSDE(Solver):
             r = h_last / h
             x_new = jnp.where(i > 0, x_new - 0.5 * jnp.expm1(-h - eta_h) / r * (denoised - old_denoised),
                               x_new)
-            if self.eta:
+            if self.stochastic:
                 x_new = x_new + (_noise(key, x) * _safe(s_next) * jnp.sqrt(-jnp.expm1(-2 * eta_h))
                                  * self.s_noise)
             return jnp.where(s_next > 0, x_new, denoised), denoised
-        return _scan(step, x, sigmas, key, jnp.zeros_like(x))
+        return _scan(self, step, x, sigmas, key, jnp.zeros_like(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,6 +500,10 @@ class MultiStepDPM(Solver):
     order: int = 3
     eta: float = 0.0
     s_noise: float = 1.0
+
+    @property
+    def stochastic(self) -> bool:
+        return self.eta != 0 and self.s_noise != 0
 
     def integrate(self, denoise, x, sigmas, key=None):
         if self.order not in (1, 2, 3):
@@ -477,11 +527,11 @@ class MultiStepDPM(Solver):
                      - phi3 * (d1_0 - d1_1) / (r0 + r1))
             cur = jnp.minimum(i + 1, self.order)
             x_new = jnp.where(cur == 3, third, jnp.where(cur == 2, second, x_new))
-            if self.eta:
+            if self.stochastic:
                 x_new = x_new + (_noise(key, x) * _safe(s_next) * jnp.sqrt(-jnp.expm1(-2 * h * self.eta))
                                  * self.s_noise)
             return jnp.where(s_next > 0, x_new, denoised), (denoised, d1)
-        return _scan(step, x, sigmas, key, (jnp.zeros_like(x), jnp.zeros_like(x)))
+        return _scan(self, step, x, sigmas, key, (jnp.zeros_like(x), jnp.zeros_like(x)))
 
 
 # ---------------------------------------------------------------- UniPC
@@ -554,7 +604,7 @@ class UniPC(Solver):
             order_p = jnp.minimum(jnp.minimum(p, n - i), i + 1)
             x_next = pick(order_p, [update(x, models, None, i, k, True) for k in range(1, p + 1)])
             return x_next, (models, x)
-        return _scan(step, x, sigmas, key, (jnp.zeros((p,) + x.shape, x.dtype), x))
+        return _scan(self, step, x, sigmas, key, (jnp.zeros((p,) + x.shape, x.dtype), x))
 
 
 # ---------------------------------------------------------------- consistency samplers
@@ -565,11 +615,15 @@ class LCM(Solver):
     """Multistep consistency sampling (Luo et al. 2023): jump to the denoised estimate, then renoise
     to the next level with fresh noise. Meant for consistency-distilled denoisers."""
 
+    @property
+    def stochastic(self) -> bool:
+        return True
+
     def integrate(self, denoise, x, sigmas, key=None):
         def step(i, x, state, key):
             s_next = sigmas[i + 1]
             return denoise(x, sigmas[i]) + s_next * _noise(key, x), state
-        return _scan(step, x, sigmas, key, ())
+        return _scan(self, step, x, sigmas, key, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,14 +635,20 @@ class TCD(Solver):
 
     gamma: float = 0.3
 
+    @property
+    def stochastic(self) -> bool:
+        return self.gamma != 0
+
     def integrate(self, denoise, x, sigmas, key=None):
         def step(i, x, state, key):
             s, s_next = sigmas[i], sigmas[i + 1]
             denoised = denoise(x, s)
             s_mid = (1.0 - self.gamma) * s_next
             x = denoised + s_mid * _d(x, s, denoised)
-            return x + jnp.sqrt(jnp.maximum(s_next**2 - s_mid**2, 0.0)) * _noise(key, x), state
-        return _scan(step, x, sigmas, key, ())
+            if self.stochastic:
+                x = x + jnp.sqrt(jnp.maximum(s_next**2 - s_mid**2, 0.0)) * _noise(key, x)
+            return x, state
+        return _scan(self, step, x, sigmas, key, ())
 
 
 SOLVERS = {cls.__name__: cls for cls in (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -12,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from dew.files import write_atomic
+from dew.pixels import png_bytes
 from dew.tracking.base import Tracker
 from dew.tracking.records import Artifact, as_dict
 
@@ -54,10 +57,10 @@ class LocalTracker(Tracker):
         if artifact.kind == "text":
             path = folder / f"{stem}.txt"
             text = artifact.data if isinstance(artifact.data, str) else "\n".join(artifact.data)
-            _write_atomic(path, text.encode("utf-8"))
+            write_atomic(path, text)
         else:
             path = folder / f"{stem}.png"
-            _write_png(path, np.asarray(artifact.data))
+            write_atomic(path, png_bytes(artifact.data))
         self.log(_ArtifactWritten(artifact.name, artifact.kind, str(path), step))
         return path
 
@@ -100,8 +103,10 @@ class LocalTracker(Tracker):
             axis.grid(alpha=0.3)
             figure.tight_layout()
             path = folder / (name.replace("/", "_") + ".png")
-            figure.savefig(path, dpi=90)
+            drawn = io.BytesIO()
+            figure.savefig(drawn, format="png", dpi=90)
             plt.close(figure)
+            write_atomic(path, drawn.getvalue())
             written.append(path)
         return written
 
@@ -133,19 +138,3 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _write_atomic(path: Path, payload: bytes) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(payload)
-    os.replace(partial, path)
-
-
-def _write_png(path: Path, image: np.ndarray) -> None:
-    from PIL import Image
-
-    if image.dtype != np.uint8:
-        image = np.clip((np.asarray(image, np.float32) + 1) * 127.5, 0, 255).round().astype(np.uint8)
-    if image.ndim == 3 and image.shape[-1] == 1:
-        image = image[..., 0]
-    partial = path.with_name(path.name + ".partial")
-    Image.fromarray(image).save(partial, format="PNG")
-    os.replace(partial, path)

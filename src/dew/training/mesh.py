@@ -16,8 +16,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dew.checks import count_fields
+
 # Mesh axes, outermost first. `replicas` spans hosts in hybrid sharding; `data` is what is left.
 AXES = ("replicas", "data", "fsdp", "expert", "sequence", "tensor")
+# Axes the mesh names but no model or objective gives work to yet, and why a size above one is
+# refused rather than accepted and wasted.
+UNUSED_AXES = {
+    "expert": "no Dew model has mixture-of-experts layers, so the axis would only split the batch "
+    "as the data axis does",
+    "sequence": "no Dew objective splits a sequence's positions over devices, so each device on "
+    "the axis would repeat the same computation",
+}
 # The axes a global batch is split over.
 BATCH_AXES = ("replicas", "data", "fsdp", "expert")
 
@@ -47,10 +57,15 @@ class MeshSpec:
     replicas: int = 1
 
     def __post_init__(self):
-        for name in ("fsdp", "tensor", "expert", "sequence", "replicas"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MeshSpec.{name} must be a positive int; got {value!r}.")
+        count_fields(self, fsdp=1, tensor=1, expert=1, sequence=1, replicas=1)
+        for name, reason in UNUSED_AXES.items():
+            if getattr(self, name) > 1:
+                raise ValueError(
+                    f"MeshSpec({name}={getattr(self, name)}) is not supported yet: {reason}. "
+                    f"Leave {name}=1 and spread the devices with fsdp= (shards parameters and "
+                    f"batch), tensor= (splits heads and MLP) or the data axis (takes the devices "
+                    f"left over)."
+                )
 
     def shape(self, device_count: int) -> dict[str, int]:
         """Axis sizes for `device_count` devices, with `data` filling the rest."""

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count, count_fields
 from dew.nn.attention import check_attention_impl, dot_product_attention
 
 INIT_STD = 0.02  # truncated N(0, 0.02) for every weight, as in I-JEPA's _init_weights
@@ -165,8 +166,8 @@ class Block(nn.Module):
 
 
 def _check_heads(features: int, heads: int, what: str) -> None:
-    if heads < 1 or features % heads:
-        raise ValueError(f"{what} ({features}) must be a positive multiple of num_heads ({heads}).")
+    if features % heads:
+        raise ValueError(f"{what} ({features}) must be a multiple of num_heads ({heads}).")
 
 
 class JepaEncoder(nn.Module):
@@ -189,12 +190,9 @@ class JepaEncoder(nn.Module):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("patch_size", "emb_features", "num_layers", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"JepaEncoder {name} must be a positive int; got {value!r}.")
-        if self.tubelet_size is not None and (not isinstance(self.tubelet_size, int) or self.tubelet_size < 1):
-            raise ValueError(f"JepaEncoder tubelet_size must be None or a positive int; got {self.tubelet_size!r}.")
+        count_fields(self, patch_size=1, emb_features=1, num_layers=1, num_heads=1)
+        tubelet_size = count(self.tubelet_size, "JepaEncoder.tubelet_size", optional=True)
+        object.__setattr__(self, "tubelet_size", tubelet_size)
         _check_heads(self.emb_features, self.num_heads, "JepaEncoder emb_features")
         check_attention_impl(self.attention_impl)
 
@@ -239,14 +237,11 @@ class JepaPredictor(nn.Module):
     param_dtype: Any = jnp.float32
 
     def __post_init__(self):
-        object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
+        if not self.grid:
+            raise ValueError(f"JepaPredictor.grid must give a token count per axis; got {self.grid!r}.")
+        object.__setattr__(self, "grid", tuple(count(g, "JepaPredictor.grid entry") for g in self.grid))
         super().__post_init__()
-        if not self.grid or any(g < 1 for g in self.grid):
-            raise ValueError(f"JepaPredictor grid must be positive token counts per axis; got {self.grid}.")
-        for name in ("emb_features", "predictor_features", "num_layers", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"JepaPredictor {name} must be a positive int; got {value!r}.")
+        count_fields(self, emb_features=1, predictor_features=1, num_layers=1, num_heads=1)
         _check_heads(self.predictor_features, self.num_heads, "JepaPredictor predictor_features")
         check_attention_impl(self.attention_impl)
 

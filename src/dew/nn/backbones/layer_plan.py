@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dew.checks import count
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 BUILTIN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -31,9 +33,7 @@ class LayerKind:
     rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        if self.window is not None and (isinstance(self.window, bool) or int(self.window) != self.window
-                                        or self.window < 1):
-            raise ValueError(f"LayerKind.window must be a positive integer or None, got {self.window!r}")
+        object.__setattr__(self, "window", count(self.window, "LayerKind.window", optional=True))
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise ValueError(f"LayerKind.rope_theta must be positive, got {self.rope_theta!r}")
 
