@@ -1,6 +1,7 @@
 """Every example runs with --smoke; the long runs that check quality are marked slow."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ needs_shakespeare = pytest.mark.skipif(
 def load_example(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -43,3 +45,47 @@ def test_dew_tokenize_command_writes_the_corpus(tmp_path):
     corpus = TokenCorpus.read(tmp_path / "tokens")
     assert corpus.vocab_size == 256 and corpus.eos_id is not None
     assert len(corpus.val) == int(0.1 * (len(corpus.train) + len(corpus.val)))
+
+
+def test_readme_demo_smoke_trains_resumes_prefers_and_samples(tmp_path, monkeypatch):
+    """The tour's four parts, at smoke sizes: each shows what its printout claims."""
+    import math
+
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # everything must land under --out, nothing in the working directory
+    out = tmp_path / "out"
+    results = load_example("readme_demo").main(["--out", str(out), "--smoke"])
+
+    lm, resumed = results["lm"], results["resume"]
+    assert lm["checkpoint_steps"] == [16]
+    assert lm["last_loss"] < lm["first_loss"] - 0.5 and lm["val_loss"] < math.log(256) - 0.5
+    # The rebuilt trainer starts after the checkpointed step, from the trained weights, and stops at
+    # the absolute target.
+    assert resumed["restored_from"] == 16 and resumed["first_step"] == 17 and resumed["final_step"] == 24
+    assert resumed["first_resumed_loss"] < math.log(256) - 0.5
+    assert resumed["checkpoint_steps"] == [16, 24] and len(resumed["continuation"]) > 0
+
+    dpo = results["dpo"]
+    assert dpo["held_out_margin_before"] == 0.0  # the policy starts as its own reference
+    assert dpo["held_out_margin_after"] > dpo["held_out_margin_before"]
+    assert dpo["train_margin_last"] > dpo["train_margin_first"]
+
+    flow = results["flow"]
+    assert flow["last_loss"] < flow["first_loss"]
+    assert flow["trained"]["nearest_center"] < 0.6 * flow["untrained"]["nearest_center"]
+    assert flow["trained"]["near_a_mode"] > flow["untrained"]["near_a_mode"]
+    assert (out / "flow" / "samples.npy").exists() and (out / "lm" / "checkpoints" / "24").is_dir()
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_readme_demo_full_run_learns_each_part(tmp_path):
+    """The default sizes (about two minutes): each part reaches a level a reader can see."""
+    results = load_example("readme_demo").main(["--out", str(tmp_path)])
+    assert results["lm"]["val_loss"] < 1.6  # nats per byte; uniform is 5.55
+    assert results["resume"]["first_step"] == 501 and results["resume"]["final_step"] == 800
+    assert results["dpo"]["held_out_margin_after"] > 1.0 and results["dpo"]["held_out_accuracy_after"] > 0.8
+    trained, data = results["flow"]["trained"], results["flow"]["data"]
+    assert trained["near_a_mode"] > 0.85 and trained["modes_covered"] == 8
+    assert trained["nearest_center"] < 1.5 * data["nearest_center"]

@@ -70,7 +70,9 @@ def test_the_full_demo_writes_real_words(tmp_path, capsys):
 
     demo.run(out=str(tmp_path / "demo"))
     out = capsys.readouterr().out
-    text = out.split("greedy continuation of 'The return statement':")[1]
+    # The continuation runs up to the next part's "== " header (the digits part's log lines follow).
+    text = out.split("greedy continuation of 'The return statement':")[1].split("\n== ")[0]
+    assert "== diffusion" in out and "samples.png" not in text
     vocabulary = set(re.findall(r"[a-z]+", help_topics_text().lower()))
     words = re.findall(r"[a-z]+", text.lower())
     assert len(words) >= 10
