@@ -237,6 +237,12 @@ def test_tokenizers_and_dew_tokenize_read_a_hub_id_from_the_cache(hub_cache, tmp
     local = HFTokenizer(source)
     cached = load_tokenizer("acme/tools")
     assert cached.encode("hello tools") == local.encode("hello tools") and cached.chat_template == local.chat_template
+    from dew.data import ChatMessages
+
+    conversation = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello tools"}]}
+    by_id = ChatMessages([conversation], "acme/tools", seq_len=32)
+    by_object = ChatMessages([conversation], local, seq_len=32)
+    np.testing.assert_array_equal(by_id.render(conversation)[0], by_object.render(conversation)[0])
     (tmp_path / "in.txt").write_text("hello tools " * 50)
     main(["tokenize", "--input", str(tmp_path / "in.txt"), "--out", str(tmp_path / "corpus"), "--tokenizer", "acme/tools"])
     meta = json.loads((tmp_path / "corpus" / "meta.json").read_text())

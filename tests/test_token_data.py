@@ -158,7 +158,7 @@ def test_tokenize_names_what_it_expected_when_given_bad_arguments(tmp_path):
         tokenize(tmp_path / "missing.txt", tmp_path / "out")
     with pytest.raises(ValueError, match=r"val_fraction.*\[0, 1\).*1.5"):
         tokenize(tmp_path / "in.txt", tmp_path / "out", val_fraction=1.5)
-    with pytest.raises(ValueError, match="'gpt2'.*'byte' or a local directory"):
+    with pytest.raises(ValueError, match="'gpt2'.*'byte', a local directory holding tokenizer.json, or a Hub repository id"):
         tokenize(tmp_path / "in.txt", tmp_path / "out", "gpt2")
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="no text"):
