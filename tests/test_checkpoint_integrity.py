@@ -117,7 +117,7 @@ def test_a_flipped_bit_in_the_newest_step_is_found_and_fit_resumes_from_the_step
         Checkpoints(run).restore_variables()
     error = caught.value
     assert (error.step, error.item, error.array) == (30, "state", changed)
-    assert error.expected.startswith("sha256:") and error.found.startswith("sha256:") and error.expected != error.found
+    assert error.expected.startswith("crc32:") and error.found.startswith("crc32:") and error.expected != error.found
     assert error.intact_steps == (10, 20)
     assert f"Checkpoint step 30 in {run} is damaged" in str(error) and error.expected in str(error)
 
@@ -160,7 +160,7 @@ def move_the_data_position(step_directory):
     [
         (truncate_the_largest_data_file, "state", None, "unreadable"),
         (remove_the_data_item, "data", None, "it is missing"),
-        (move_the_data_position, "data", "position", "sha256:"),
+        (move_the_data_position, "data", "position", "crc32:"),
     ],
 )
 def test_damage_is_reported_with_the_step_item_and_intact_steps(run, damage, item, array, found):
@@ -274,6 +274,8 @@ FULL_DISK_RUN = textwrap.dedent(
 
     class FillTheDisk(Tracker):
         def log(self, data, step=None):
+            if type(data).__name__ == "Failure":
+                print("RECORD Failure", data.step, data.last_checkpoint, flush=True)
             if type(data).__name__ == "CheckpointSaved" and data.step == fill_after:
                 checkpoints.wait()
                 with open(os.path.join(os.path.dirname(directory), "filler"), "wb", buffering=0) as filler:
@@ -331,6 +333,7 @@ def test_a_full_disk_stops_the_run_with_a_clear_error_and_the_next_run_resumes(t
         f"FAILED Could not write checkpoint step 20 to {disk}/run: No space left on device (ENOSPC). "
         "Its partial files were removed. The newest complete step is 10; a run started again resumes from it."
     ) in first_out
+    assert "RECORD Failure 20 10" in first_out  # the tracker heard of it too
     assert "Traceback" not in first_err and "ERROR" not in first_err, first_err  # no absl or asyncio noise
     assert (tmp_path / "after_failure.ls").read_text().split() == [".", "..", "10"]  # no partial step 20
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
+import tyro
 from tyro.conf import Positional
 
 
-def run(action: Positional[Literal["verify"]], directory: Positional[str], step: int | None = None) -> int:
+def run(
+    action: Positional[Literal["verify"]],
+    directory: Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]],
+    step: int | None = None,
+) -> int:
     """Check checkpoint steps against the digests recorded when they were saved.
 
     Prints one line per step (intact, or what is damaged: the item, the array, the expected and the

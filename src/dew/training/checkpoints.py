@@ -3,7 +3,7 @@
 Each step is written under a temporary name and renamed when complete, so a step directory that
 exists is whole; a crash mid-write leaves only a temporary directory, which is never restored. A
 step holds three items: `state` (the TrainState's arrays), `data` (the iterator position as JSON)
-and `digests` (a SHA-256 of every array and of the data item, see `dew.training.digests`). Every
+and `digests` (a CRC-32 of every array and of the data item, see `dew.training.digests`). Every
 read compares the digests, so a damaged step is reported by name instead of being trained on, and
 a failed write is reported with the step it lost and the newest step that is complete.
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from dew import checks
 from dew.training import digests, positions
 from dew.training.state import TrainState
 
@@ -97,10 +98,8 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 2, *, restore_position: bool = True):
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-            raise ValueError(f"Checkpoints keep must be a positive int or None; got {keep!r}.")
         self.directory = Path(directory).absolute()
-        self.keep = keep
+        self.keep = checks.count(keep, "Checkpoints keep", optional=True)
         self.restore_position = bool(restore_position)
         self._manager = None
         self._writing: int | None = None  # the step whose write may still be in flight
@@ -210,11 +209,7 @@ class Checkpoints:
         target = _to_storable(abstract)
         tree, data = self._read(step, target)
         shardings = jax.tree_util.tree_map(lambda leaf: getattr(leaf, "sharding", None), target)
-        tree = jax.tree_util.tree_map(
-            lambda value, sharding: value if sharding is None else jax.device_put(value, sharding),
-            tree,
-            shardings,
-        )
+        tree = jax.tree_util.tree_map(jax.device_put, tree, shardings)  # no sharding: the default device
         position = self._position(step, data) if self.restore_position else None
         return _from_storable(tree), position
 

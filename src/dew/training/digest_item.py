@@ -1,7 +1,7 @@
 """The `digests` item of a checkpoint step: Orbax writes it beside `state` and `data`.
 
 `Checkpoints.save` hands Orbax host copies of the arrays and hands the same copies to this item,
-which hashes them on Orbax's background thread (hashlib releases the GIL, so the training thread
+which hashes them on Orbax's background thread (zlib releases the GIL, so the training thread
 keeps running) and writes `digests/digests.json`. Orbax commits a step (renames it into place) only
 after every item is written, so a step on disk always carries the digests of exactly the bytes that
 were saved. Imported on first use, like Orbax itself.

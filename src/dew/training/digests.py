@@ -1,13 +1,17 @@
-"""Digests: a SHA-256 of every array a checkpoint step holds and of its data position.
+"""Digests: a CRC-32 checksum of every array a checkpoint step holds and of its data position.
 
-The one home for how Dew hashes what it saves: `Checkpoints` records a step's digests with these
-functions when it writes (see `dew.training.digest_item`) and compares them when it reads.
+The one home for how Dew checksums what it saves: `Checkpoints` records a step's digests with these
+functions when it writes (see `dew.training.digest_item`) and compares them when it reads. CRC-32
+finds every single flipped bit and every damaged run of up to 32 bits, and misses other accidental
+damage with odds of 1 in 2**32, at 2-3x the speed of SHA-256 (zlib releases the GIL while it
+runs). It guards against accidents (bad disks, truncated copies, full disks), not against someone
+who rewrites the digests too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,21 +22,21 @@ FORMAT = 1
 
 
 def array_digest(array: Any) -> str:
-    """`sha256:<hex>` of an array's dtype, shape and C-order bytes.
+    """`crc32:<8 hex digits>` of an array's dtype, shape and C-order bytes.
 
-    The dtype and shape are part of what is hashed, so the same bytes read as another type or shape
-    do not match.
+    The dtype and shape are part of what is checksummed, so the same bytes read as another type or
+    shape do not match.
     """
     array = np.ascontiguousarray(array)
-    digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
-    digest.update(array.reshape(-1).view(np.uint8))
-    return f"sha256:{digest.hexdigest()}"
+    checksum = zlib.crc32(f"{array.dtype.str}{array.shape}".encode())
+    checksum = zlib.crc32(array.reshape(-1).view(np.uint8), checksum)
+    return f"crc32:{checksum:08x}"
 
 
 def json_digest(value: Any) -> str:
-    """`sha256:<hex>` of a JSON value in canonical form (sorted keys, no spaces)."""
+    """`crc32:<8 hex digits>` of a JSON value in canonical form (sorted keys, no spaces)."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+    return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
 def named_arrays(tree: Any) -> list[tuple[str, Any]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -40,9 +39,9 @@ def decode(encoded: Any) -> Any:
         return base64.b64decode(encoded["base64"], validate=True)
     if kind == "ndarray":
         values = [decode(item) for item in encoded["values"]]
-        return np.asarray(values, dtype=np.dtype(encoded["dtype"])).reshape(encoded["shape"])
+        return np.asarray(values, dtype=_numeric(encoded["dtype"])).reshape(encoded["shape"])
     if kind == "scalar":
-        return np.dtype(encoded["dtype"]).type(decode(encoded["value"]))
+        return _numeric(encoded["dtype"]).type(decode(encoded["value"]))
     if kind == "tuple":
         return tuple(decode(item) for item in encoded["items"])
     if kind == "dict":
@@ -52,12 +51,20 @@ def decode(encoded: Any) -> Any:
     raise ValueError(f"Unknown tag {kind!r} in a stored data position; it was written by another tool.")
 
 
+def _numeric(name: str) -> np.dtype:
+    """A stored dtype, which must be numeric or bool as `encode` writes them."""
+    dtype = np.dtype(name)
+    if dtype.kind not in "biuf":
+        raise ValueError(f"A stored data position names dtype {name!r}; positions hold numbers and bools only.")
+    return dtype
+
+
 def _encode(value: Any, source: str, path: str) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
-    if isinstance(value, int) and type(value) is int:
+    if type(value) is int:
         return value
-    if isinstance(value, float) and type(value) is float:
+    if type(value) is float:
         # JSON has no NaN or infinity; store them by name so the file stays standard JSON.
         return value if math.isfinite(value) else {TAG: "float", "value": repr(value)}
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -69,9 +76,9 @@ def _encode(value: Any, source: str, path: str) -> Any:
         return {TAG: "ndarray", "dtype": value.dtype.str, "shape": list(value.shape), "values": values}
     if isinstance(value, list):
         return [_encode(item, source, f"{path}[{i}]") for i, item in enumerate(value)]
-    if isinstance(value, tuple) and type(value) is tuple:
+    if type(value) is tuple:
         return {TAG: "tuple", "items": [_encode(item, source, f"{path}[{i}]") for i, item in enumerate(value)]}
-    if isinstance(value, Mapping) and isinstance(value, dict):
+    if isinstance(value, dict):
         if all(isinstance(key, str) for key in value) and TAG not in value:
             return {key: _encode(item, source, f"{path}[{key!r}]") for key, item in value.items()}
         return {
