@@ -208,8 +208,9 @@ class Checkpoints:
         step = self._chosen(step)
         target = _to_storable(abstract)
         tree, data = self._read(step, target)
-        shardings = jax.tree_util.tree_map(lambda leaf: getattr(leaf, "sharding", None), target)
-        tree = jax.tree_util.tree_map(jax.device_put, tree, shardings)  # no sharding: the default device
+        tree = jax.tree_util.tree_map(  # a target without a sharding: the default device
+            lambda value, leaf: jax.device_put(value, getattr(leaf, "sharding", None)), tree, target
+        )
         position = self._position(step, data) if self.restore_position else None
         return _from_storable(tree), position
 
