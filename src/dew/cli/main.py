@@ -6,7 +6,7 @@ import sys
 
 from tyro.conf import Positional
 
-from dew.cli import demo, tokenize  # both import their heavy dependencies inside their functions
+from dew.cli import checkpoints, demo, tokenize  # each imports its heavy dependencies inside its function
 
 
 def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False, overwrite: bool = False) -> None:
@@ -23,6 +23,7 @@ COMMANDS = {
     "demo": demo.run,
     "tokenize": tokenize.run,
     "export": _export,
+    "checkpoints": checkpoints.run,
 }
 
 

@@ -2,10 +2,11 @@
 
 from dew.tracking.base import Tracker, Trackers
 from dew.tracking.local import LocalTracker
-from dew.tracking.records import Artifact, CheckpointSaved, Failure, Progress, RunStarted
+from dew.tracking.records import Artifact, CheckpointRejected, CheckpointSaved, Failure, Progress, RunStarted
 
 __all__ = [
     "Artifact",
+    "CheckpointRejected",
     "CheckpointSaved",
     "Failure",
     "LocalTracker",

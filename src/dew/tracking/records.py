@@ -43,6 +43,15 @@ class Failure:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointRejected:
+    """A checkpoint step was found damaged on resume; the run restored `restored_step` instead."""
+
+    step: int
+    message: str
+    restored_step: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Artifact:
     """A displayable result: text, or an image (uint8 HWC or a grid)."""
 

@@ -9,6 +9,7 @@ progress at their intervals.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -23,11 +24,12 @@ from dew.data.dataset import Dataset, Partition
 from dew.eval.evaluation import Evaluation, EvaluationResult
 from dew.objectives.base import Aux, Objective, Step
 from dew.training import mesh as mesh_lib
-from dew.training.checkpoints import Checkpoints
+from dew.training import positions
+from dew.training.checkpoints import CheckpointCorrupted, Checkpoints, CheckpointSaveFailed
 from dew.training.mesh import Layout, MeshSpec
 from dew.training.progress import ProgressReport
 from dew.training.state import TrainState
-from dew.tracking.records import CheckpointSaved, Failure, Progress, RunStarted
+from dew.tracking.records import CheckpointRejected, CheckpointSaved, Failure, Progress, RunStarted
 
 
 class Trainer:
@@ -179,11 +181,30 @@ class Trainer:
         )
 
     def restore_or_init(self) -> tuple[TrainState, Any, int | None]:
-        """The latest complete checkpoint (its state, data position and step), or a fresh state."""
+        """The newest intact checkpoint (its state, data position and step), or a fresh state.
+
+        A damaged newest step is reported (a warning and a CheckpointRejected record naming the
+        step, item, array and digests), set aside as `<step>.damaged` with any other step newer
+        than the one restored (so the run can write those steps again), and the newest intact
+        step is restored instead. When no step is intact, the CheckpointCorrupted error is raised.
+        """
         latest = None if self.checkpoints is None else self.checkpoints.latest()
         if latest is None:
             return self.init_state(), None, None
-        state, position = self.checkpoints.restore(self._abstract_with_shardings(), latest)
+        abstract = self._abstract_with_shardings()
+        try:
+            state, position = self.checkpoints.restore(abstract, latest)
+        except CheckpointCorrupted as damaged:
+            if not damaged.intact_steps:
+                raise
+            step = damaged.intact_steps[-1]
+            newer = [s for s in self.checkpoints.steps() if s > step]
+            moved = [self.checkpoints.set_aside(s).name for s in newer]
+            message = f"{damaged} Resuming from step {step}; set aside: {', '.join(moved)}."
+            warnings.warn(message, stacklevel=3)
+            self._log(CheckpointRejected(step=damaged.step, message=message, restored_step=step))
+            state, position = self.checkpoints.restore(abstract, step)
+            return state, position, step
         return state, position, latest
 
     # ----------------------------------------------------------------------------------------
@@ -412,6 +433,10 @@ class Trainer:
                     "restore one (it has no set_state)."
                 )
             iterator.set_state(position)
+        if checkpoint_every is not None:
+            # A position a checkpoint cannot store fails here, before any step is trained.
+            source = f"the {type(iterator).__name__} that dataset.train returned"
+            positions.encode(iterator.get_state(), source=source)
 
         step_fn = self.compiled_step()
         progress = ProgressReport(start, steps)
@@ -450,7 +475,8 @@ class Trainer:
 
                 if saving:
                     drain()  # never save a state whose loss is not finite
-                    self.checkpoints.save(state, position)
+                    with self._stopping_on_save_failure():
+                        self.checkpoints.save(state, position)
                     last_checkpoint = step
                     self._log(CheckpointSaved(step=step, directory=str(self.checkpoints.directory)))
                 if step % log_every == 0 or step == steps:
@@ -459,9 +485,21 @@ class Trainer:
                     window = []
                 if eval_every is not None and (step % eval_every == 0 or step == steps):
                     self._evaluate(state, dataset, step, metrics, preview, progress)
+            if checkpoint_every is not None:
+                with self._stopping_on_save_failure():
+                    self.checkpoints.wait()  # fit returns with its last checkpoint on disk
         finally:
             progress.close()
         return state
+
+    @contextlib.contextmanager
+    def _stopping_on_save_failure(self):
+        """Record a failed checkpoint write with the tracker before the error stops the run."""
+        try:
+            yield
+        except CheckpointSaveFailed as failed:
+            self._log(Failure(step=failed.step, message=str(failed), last_checkpoint=failed.newest_complete))
+            raise
 
     def _collect(self, pending, last_checkpoint) -> dict[str, float]:
         """Bring one step's metrics to the host, record them, and stop on a non-finite loss."""
