@@ -242,7 +242,7 @@ def decoder_run(tmp_path_factory):
     return directory
 
 
-def test_pipeline_and_export_refuse_a_damaged_step_and_name_the_intact_ones(decoder_run, tmp_path):
+def test_pipeline_and_export_refuse_a_damaged_step_and_name_the_intact_ones(decoder_run, tmp_path, capsys):
     from dew.interop import PretrainedDecoder
 
     run = tmp_path / "run"
@@ -252,8 +252,11 @@ def test_pipeline_and_export_refuse_a_damaged_step_and_name_the_intact_ones(deco
     for load in (lambda: dew.pipeline(run), lambda: PretrainedDecoder.from_run(run)):
         with pytest.raises(CheckpointCorrupted, match=r"step 30 .* is damaged.*Intact steps: \[20\]"):
             load()
-    with pytest.raises(CheckpointCorrupted, match=r"Intact steps: \[20\]"):
+    with pytest.raises(SystemExit) as exited:
         dew_main(["export", str(run), str(tmp_path / "hf")])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dew: error: Checkpoint step 30") and "Intact steps: [20]" in err and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
     assert dew.pipeline(run, step=20) is not None  # the intact step still loads when asked for
 

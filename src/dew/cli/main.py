@@ -28,10 +28,20 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one subcommand. Bad input (a missing file, a damaged checkpoint, a wrong setting) ends
+    with Dew's message on stderr and exit status 1; ``DEW_TRACEBACK=1`` shows the traceback too."""
+    import os
+
     import tyro
 
     args = sys.argv[1:] if argv is None else argv
-    tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, prog="dew")
+    try:
+        tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, prog="dew")
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as error:
+        if os.environ.get("DEW_TRACEBACK"):
+            raise
+        print(f"dew: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
