@@ -34,10 +34,6 @@ class SavedRun:
     variables: dict[str, Any]
     ema: Any
 
-    def objective(self) -> Any:
-        """The objective rebuilt around the recorded model, as the training script built it."""
-        return self.config.objective.build(self.config.model.build())
-
     def state(self) -> Any:
         """A TrainState with this step's weights and no optimizer state, for `objective.pipeline`."""
         import jax.numpy as jnp
