@@ -19,8 +19,8 @@ Each side runs in its own process (benchmarks/harness.py): Dew, and torch at its
 defaults, at each smaller thread count and under `torch.compile`, with no environment setting
 that slows it.
 
-Part 1 (training): Dew and torch at its defaults each train --steps steps on the same batch
-sequence in their setup (Dew's compile is part of it) and report the mean loss of the last
+Part 1 (training): Dew and torch (its one-thread configuration, which never collapses on a busy
+machine) each train --steps steps on the same batch sequence in their setup (Dew's compile is part of it) and report the mean loss of the last
 --last; the other configurations warm up (and compile) on a few steps. Then --repeats rounds of
 alternating timed windows of --window steps per side; the median steps/s of each configuration
 is reported, and Dew's ratio against the fastest.
@@ -473,7 +473,7 @@ def worker(config: dict) -> harness.Runner:
         torch.set_num_threads(config["threads"])
     defaults = config["threads"] is None and not config.get("compile")
     if config["part"] == "train":
-        loss_steps = config["loss_steps"] if defaults else WARMUP
+        loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP
         return TorchTraining(np.load(workdir / "batches.npy"), loss_steps, config["last"], config["window"],
                              config.get("compile", False))
     return DiffusersSampling(workdir, config["sample_steps"], save=defaults)
@@ -488,8 +488,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="training batch")
     parser.add_argument("--steps", type=int, help="steps of the loss run (default 200; 20 with --quick)")
     parser.add_argument("--last", type=int, help="losses averaged at the end of the loss run (default 50; 10)")
-    parser.add_argument("--window", type=int, help="steps per timed window (default 20; 4)")
-    parser.add_argument("--repeats", type=int, help="timed windows per side (default 5; 2)")
+    parser.add_argument("--window", type=int, help="steps per timed window (default 10; 4)")
+    parser.add_argument("--repeats", type=int, help="timed windows per side (default 4; 2)")
     parser.add_argument("--sample-batch", type=int, default=16, help="images per sampling run")
     parser.add_argument("--sample-steps", type=int, help="Heun steps (default 40; 10)")
     parser.add_argument("--sample-repeats", type=int, help="timed sampling runs per side (default 3; 2)")
@@ -498,7 +498,7 @@ def main() -> None:
     parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew side")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the torch sides")
     args = parser.parse_args()
-    defaults = dict(steps=(200, 20), last=(50, 10), window=(20, 4), repeats=(5, 2), sample_steps=(40, 10),
+    defaults = dict(steps=(200, 20), last=(50, 10), window=(10, 4), repeats=(4, 2), sample_steps=(40, 10),
                     sample_repeats=(3, 2))
     for name, pair in defaults.items():
         if getattr(args, name) is None:
@@ -520,6 +520,7 @@ def main() -> None:
         result = harness.compare(sides, args.repeats, workdir=workdir)
         dew = result.dew
         torch_default = next(o for o in result.outcomes if o.name == "torch defaults")
+        torch_loss = next(o for o in result.outcomes if o.config.get("loss_run"))
         print(json.dumps({
             "benchmark": "diffusion_train",
             "work": (
@@ -536,9 +537,10 @@ def main() -> None:
             "window_steps": args.window,
             "loss_steps": args.steps,
             f"dew_loss_last{args.last}": dew.info[f"loss_last{args.last}"],
-            f"torch_loss_last{args.last}": torch_default.info.get(f"loss_last{args.last}"),
+            f"torch_loss_last{args.last}": torch_loss.info.get(f"loss_last{args.last}"),
             "dew_loss_first10": dew.info["loss_first10"],
-            "torch_loss_first10": torch_default.info.get("loss_first10"),
+            "torch_loss_first10": torch_loss.info.get("loss_first10"),
+            "torch_loss_run_by": torch_loss.name,
             "torch_default_threads": torch_default.info.get("threads"),
             "hardware": hardware,
             "jax": dew.info["jax"],

@@ -16,8 +16,9 @@ holds it, else the text of Python's help topics (`dew.data.corpora`, as `dew dem
 Each side runs in its own process (benchmarks/harness.py): Dew, and torch at its library
 defaults, at each smaller thread count and under `torch.compile`, with no environment setting
 that slows it. Per size:
-  1. setup: Dew and torch at its defaults each train --steps steps on the same batch sequence
-     from the same seed (Dew's compile is part of it) and report the mean loss of the last 20;
+  1. setup: Dew and torch (its one-thread configuration, which never collapses on a busy
+     machine) each train --steps steps on the same batch sequence from the same seed (Dew's
+     compile is part of it) and report the mean loss of the last 20 (or of all, when fewer);
      the other torch configurations warm up (and compile) on a few steps;
   2. --repeats rounds of alternating timed windows of --window steps per side; the median
      tokens/s of each configuration is reported, and Dew's ratio against the fastest;
@@ -52,7 +53,7 @@ import harness
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 VOCAB, LR, BETAS, EPS, WEIGHT_DECAY, NORM_EPS, ROPE_THETA = 256, 1e-3, (0.9, 0.99), 1e-8, 0.1, 1e-6, 10000.0
-LAST = 20  # losses averaged at the end of the loss run
+LAST = 20  # losses averaged at the end of the loss run (all of them when it is shorter)
 WARMUP = 3  # steps a configuration without a loss run takes before its windows (compiles here)
 
 
@@ -71,8 +72,8 @@ class Size:
 
 
 SIZES = {
-    "small": Size(128, 4, 4, 512, 64, 12, steps=200, window=40, repeats=5, quick=(LAST, 5, 2)),
-    "large": Size(512, 8, 8, 1536, 256, 8, steps=LAST, window=3, repeats=4, quick=(LAST, 1, 2)),
+    "small": Size(128, 4, 4, 512, 64, 12, steps=200, window=20, repeats=4, quick=(LAST, 5, 2)),
+    "large": Size(512, 8, 8, 1536, 256, 8, steps=6, window=2, repeats=3, quick=(4, 1, 2)),
 }
 
 
@@ -131,7 +132,7 @@ class DewSide(harness.Runner):
         self.fit(batches[:loss_steps], loss_steps)  # the loss run; compiles
         losses = [row["loss"] for row in self.trainer.history]
         params = sum(x.size for x in jax.tree_util.tree_leaves(self.trainer.init_state().variables["params"]))
-        self.info = {"params": params, f"loss_last{LAST}": round(statistics.fmean(losses[-LAST:]), 4),
+        self.info = {"params": params, "loss_last": round(statistics.fmean(losses[-LAST:]), 4),
                      "loss_first": round(losses[0], 4), "jax": jax.__version__}
         self.timed, self.steps = batches[:window], window
 
@@ -202,8 +203,8 @@ class TorchSide(harness.Runner):
         losses = self.run(self.batches[:loss_steps])  # the loss run, or the warm-up (compiles)
         self.info = {"params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(),
                      "torch": torch.__version__, "transformers": transformers.__version__}
-        if loss_steps >= LAST:
-            self.info.update({f"loss_last{LAST}": round(statistics.fmean(losses[-LAST:]), 4),
+        if loss_steps > WARMUP:
+            self.info.update({"loss_last": round(statistics.fmean(losses[-LAST:]), 4),
                               "loss_first": round(losses[0], 4)})
         self.timed = self.batches[:window]
 
@@ -253,7 +254,7 @@ def worker(config: dict) -> harness.Runner:
 
     if config["threads"] is not None:
         torch.set_num_threads(config["threads"])
-    loss_steps = config["loss_steps"] if config["threads"] is None and not config.get("compile") else WARMUP
+    loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP
     return TorchSide(size, batches, loss_steps, config["window"], config.get("compile", False))
 
 
@@ -286,8 +287,8 @@ def main() -> None:
 def run_size(name: str, size: Size, args, corpus: np.ndarray, corpus_name: str) -> None:
     steps, window, repeats = size.quick if args.quick else (size.steps, size.window, size.repeats)
     steps, window, repeats = args.steps or steps, args.window or window, args.repeats or repeats
-    if steps < LAST:
-        sys.exit(f"lm_train: --steps must be at least {LAST}, got {steps}")
+    if steps <= WARMUP:
+        sys.exit(f"lm_train: --steps must be more than {WARMUP}, got {steps}")
     script = str(Path(__file__).resolve())
     config = {"size": name, "loss_steps": steps, "window": window}
     sides = [harness.side("dew", "dew", script, [], {**config, "side": "dew"}, python=args.dew_python)]
@@ -298,6 +299,7 @@ def run_size(name: str, size: Size, args, corpus: np.ndarray, corpus_name: str) 
         result = harness.compare(sides, repeats, workdir=workdir)
     dew, best = result.dew, result.best_peer
     torch_default = next(o for o in result.outcomes if o.name == "torch defaults")
+    torch_loss = next(o for o in result.outcomes if o.config.get("loss_run"))
     params = dew.info["params"]
     head_dim = size.width // size.heads
     flops_per_token = 6 * params + 12 * size.layers * size.heads * head_dim * size.context
@@ -316,10 +318,11 @@ def run_size(name: str, size: Size, args, corpus: np.ndarray, corpus_name: str) 
         "goal": "dew_over_best_peer >= 1.2",
         "window_steps": window,
         "loss_steps": steps,
-        f"dew_loss_last{LAST}": dew.info.get(f"loss_last{LAST}"),
-        f"torch_loss_last{LAST}": torch_default.info.get(f"loss_last{LAST}"),
+        f"dew_loss_last{min(LAST, steps)}": dew.info.get("loss_last"),
+        f"torch_loss_last{min(LAST, steps)}": torch_loss.info.get("loss_last"),
         "dew_loss_first": dew.info.get("loss_first"),
-        "torch_loss_first": torch_default.info.get("loss_first"),
+        "torch_loss_first": torch_loss.info.get("loss_first"),
+        "torch_loss_run_by": torch_loss.name,
         "flops_per_token": flops_per_token,
         "matmul_gflops": {"jax_f32_1024": dew.finished.get("matmul_gflops"),
                           "torch_f32_1024": torch_default.finished.get("matmul_gflops")},

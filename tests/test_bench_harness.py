@@ -72,6 +72,11 @@ def test_thread_counts_below_the_core_count():
     assert harness.thread_counts(1) == []
 
 
+def test_one_configuration_runs_the_loss_check_at_one_thread():
+    sides = harness.torch_sides("bench.py", [], {"side": "torch"}, compile=True)
+    assert [s.name for s in sides if s.config.get("loss_run")] == ["torch 1 thread"]
+
+
 def test_peers_never_run_with_a_slowing_setting(fake_script, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
