@@ -36,9 +36,9 @@ test-reference: $(REF_STAMP)
 
 bench: $(STAMP) $(REF_STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
-	$(REF)/bin/python benchmarks/lm_train.py
-	$(REF)/bin/python benchmarks/lm_decode.py
-	$(REF)/bin/python benchmarks/diffusion_train.py
+	$(REF)/bin/python benchmarks/lm_train.py --dew-python $(BIN)/python
+	$(REF)/bin/python benchmarks/lm_decode.py --dew-python $(BIN)/python
+	$(REF)/bin/python benchmarks/diffusion_train.py --dew-python $(BIN)/python
 
 clean:
 	rm -rf $(VENV) $(REF) runs

@@ -10,70 +10,64 @@ preconditioned target. Both sides use AdamW (lr 3e-4, betas (0.9, 0.999), eps 1e
 Dew trains `SimpleDiT` with `Trainer` + `DiffusionObjective(EDM())`; the peer is a DiT written
 below in plain torch that mirrors `SimpleDiT` layer for layer (patchify conv, fixed 2-D sin/cos
 positions, sinusoidal noise embedding -> MLP, adaLN-zero blocks, adaLN final layer, the same
-initializers), trained by an eager loop with `torch.optim.AdamW`. Parameter counts of both are
-reported, and Dew's trained weights are copied into the torch network to check that the two
-networks compute the same function. Both read the same pre-generated batches of synthetic images
-(seeded: colored discs on a two-color gradient, so the loss falls); the noise draws differ.
+initializers), trained by an eager loop with `torch.optim.AdamW` (and, as a further
+configuration, the same loop over `torch.compile(model)`). Both read the same pre-generated
+batches of synthetic images (seeded: colored discs on a two-color gradient, so the loss falls);
+the noise draws differ.
 
-Part 1 (training), one process, so machine noise hits both:
-  1. a loss run of --steps steps each on the same batch sequence (Dew's compile is part of it),
-     reporting the mean loss of the last --last steps of each;
-  2. --repeats interleaved timed windows of --window steps each (both warm), reporting the median
-     steps/s of each; torch runs at the core count and at one thread and the ratio is taken
-     against the faster (dew_over_torch_at_core_count is beside it).
+Each side runs in its own process (benchmarks/harness.py): Dew, and torch at its library
+defaults, at each smaller thread count and under `torch.compile`, with no environment setting
+that slows it.
+
+Part 1 (training): Dew and torch (its one-thread configuration, which never collapses on a busy
+machine) each train --steps steps on the same batch sequence in their setup (Dew's compile is part of it) and report the mean loss of the last
+--last; the other configurations warm up (and compile) on a few steps. Then --repeats rounds of
+alternating timed windows of --window steps per side; the median steps/s of each configuration
+is reported, and Dew's ratio against the fastest.
+
 Part 2 (sampling): --sample-steps Heun steps (2 * steps - 1 network calls; the last step, to
-sigma 0, is Euler) of --sample-batch images on the Karras rho = 7 grid from 80 to 0.002.
-Dew: `dew.sample(process.denoiser(model, variables), x_T, solver=Heun())` over the trained Dew
-model. Peer: diffusers' `HeunDiscreteScheduler` in the usual pipeline loop (scale_model_input,
-network, step) around the torch DiT holding the same weights, wrapped as an EDM denoiser
-(prediction_type="sample"). The scheduler is configured for EDM's range: `trained_betas` whose
-sigma table runs log-uniformly from 0.002 to 80 and `use_karras_sigmas=True`, which yields the
-same rho = 7 grid; float32 betas put its ends off by up to ~1%, so its sigmas are then replaced by
-Dew's grid exactly (the mismatch is reported), and both samplers start from the same x_T. The
-JSON line reports images/s of each (median of --sample-repeats interleaved runs, torch at the
-core count and at one thread) and the largest difference between the two sets of samples.
+sigma 0, is Euler) of --sample-batch images on the Karras rho = 7 grid from 80 to 0.002, over the
+weights Dew trained in part 1 (the torch DiT holds the same weights; both start from the same
+x_T). Dew: `dew.sample(process.denoiser(model, variables), x_T, solver=Heun())`. Peer: diffusers'
+`HeunDiscreteScheduler` in the usual pipeline loop (scale_model_input, network, step) around the
+torch DiT as an EDM denoiser (prediction_type="sample"), at its defaults and each smaller thread
+count. The scheduler is configured for EDM's range: `trained_betas` whose sigma table runs
+log-uniformly from 0.002 to 80 and `use_karras_sigmas=True`, which yields the same rho = 7 grid;
+float32 betas put its ends off by up to ~1%, so its sigmas are then replaced by Dew's grid exactly
+(the mismatch is reported). The JSON line reports images/s per configuration (median of
+--sample-repeats alternating runs), the largest difference between the two sets of samples and
+between the two networks' outputs on one probe.
 
-Prints one JSON line per part. Needs torch, diffusers and Dew in one environment:
+Prints one JSON line per part. Needs torch, diffusers and Dew:
 
-    .venv-ref/bin/python benchmarks/diffusion_train.py [--batch 32] [--steps 200] [--window 20]
-        [--repeats 5] [--sample-batch 16] [--sample-steps 40] [--sample-repeats 3]
+    .venv-ref/bin/python benchmarks/diffusion_train.py [--quick] [--batch 32] [--steps 200]
+        [--window 20] [--repeats 5] [--sample-batch 16] [--sample-steps 40] [--sample-repeats 3]
 """
 
 from __future__ import annotations
-
-import os
-
-# GNU OpenMP's default spin-wait collapses torch's multi-threaded speed when the machine runs more
-# busy threads than it has cores; passive waiting avoids that. Set before torch loads libgomp; an
-# explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import contextlib
 import itertools
 import json
 import math
+import pickle
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from dew import Dataset, Field, InputSpec, Trainer
-from dew.diffusion.presets import EDM
-from dew.nn.backbones import SimpleDiT
-from dew.objectives.diffusion import DiffusionObjective
-from dew.sampling import Heun, sample
-from common import EagerLoop, cores
+import harness
 
 SIZE, CHANNELS, PATCH, WIDTH, LAYERS, HEADS, MLP_RATIO = 32, 3, 4, 128, 4, 4, 4.0
 LR, BETAS, EPS, WEIGHT_DECAY, EMA = 3e-4, (0.9, 0.999), 1e-8, 0.01, 0.999
 P_MEAN, P_STD, SIGMA_DATA, SIGMA_MIN, SIGMA_MAX = -1.2, 1.2, 0.5, 0.002, 80.0
 FREQ_FEATURES, NOISE_SCALE, LN_EPS = 256, 1000.0, 1e-6
+WARMUP = 3  # steps a configuration without a loss run takes before its windows (compiles here)
 
 
 def make_images(count: int, seed: int = 0) -> np.ndarray:
@@ -102,27 +96,101 @@ def make_batches(count: int, batch: int) -> list[np.ndarray]:
 # --- Dew ----------------------------------------------------------------------------------------
 
 
-def dew_model() -> SimpleDiT:
-    return SimpleDiT(patch_size=PATCH, emb_features=WIDTH, num_layers=LAYERS, num_heads=HEADS, mlp_ratio=MLP_RATIO)
+def dew_objective():
+    from dew import Field, InputSpec
+    from dew.diffusion.presets import EDM
+    from dew.nn.backbones import SimpleDiT
+    from dew.objectives.diffusion import DiffusionObjective
+
+    model = SimpleDiT(patch_size=PATCH, emb_features=WIDTH, num_layers=LAYERS, num_heads=HEADS, mlp_ratio=MLP_RATIO)
+    return DiffusionObjective(model, EDM(), InputSpec(Field("image", (SIZE, SIZE, CHANNELS))), ema_decay=EMA)
 
 
-def dew_trainer() -> Trainer:
-    objective = DiffusionObjective(
-        dew_model(), EDM(), InputSpec(Field("image", (SIZE, SIZE, CHANNELS))), ema_decay=EMA
-    )
-    optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    return Trainer(objective, optimizer, key=jax.random.key(0))
+class DewTraining(harness.Runner):
+    def __init__(self, batches: np.ndarray, loss_steps: int, last: int, window: int, workdir: Path,
+                 sample_steps: int):
+        import jax
+        import optax
+
+        from dew import Trainer
+
+        self.jax, self.workdir, self.sample_steps = jax, workdir, sample_steps
+        optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+        self.trainer = Trainer(dew_objective(), optimizer, key=jax.random.key(0))
+        self.batch = batches.shape[1]
+        _, self.state = self.fit(batches[:loss_steps], loss_steps)  # the loss run; compiles
+        losses = [row["loss"] for row in self.trainer.history]
+        params = self.state.variables["params"]
+        self.info = {"params": sum(x.size for x in jax.tree_util.tree_leaves(params)),
+                     f"loss_last{last}": round(statistics.fmean(losses[-last:]), 4),
+                     "loss_first10": round(statistics.fmean(losses[:10]), 4), "jax": jax.__version__}
+        self.timed, self.steps = batches[:window], window
+
+    def fit(self, batches, steps: int):
+        """Train `steps` steps from a fresh state, as a user's `fit` call does: (seconds, state)."""
+        from dew import Dataset
+
+        rows = [{"image": b} for b in batches]
+        data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows) * self.batch,
+                       batch=self.batch)
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):
+            state = self.trainer.fit(data, steps=steps, log_every=steps)
+        self.jax.block_until_ready(state)
+        return time.perf_counter() - start, state
+
+    def window(self):
+        return self.fit(self.timed, self.steps)[0], self.steps
+
+    def finish(self):
+        """Leave the trained variables (from the loss run) and the sampling grid for part 2."""
+        variables = plain(self.jax.device_get(self.state.variables))
+        (self.workdir / "variables.pkl").write_bytes(pickle.dumps(variables))
+        grid = np.asarray(self.trainer.objective.process.sigmas(self.sample_steps))
+        np.save(self.workdir / "grid.npy", grid)
+        return {}
 
 
-def dew_fit(trainer: Trainer, batches, steps: int, batch: int):
-    """Train `steps` steps from a fresh state; returns (wall seconds, final state)."""
-    rows = [{"image": b} for b in batches]
-    data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows) * batch, batch=batch)
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):
-        state = trainer.fit(data, steps=steps, log_every=steps)
-    jax.block_until_ready(state)
-    return time.perf_counter() - start, state
+def plain(tree):
+    """Nested dicts of NumPy arrays (what the torch side unpickles without JAX or Flax)."""
+    if hasattr(tree, "items"):
+        return {key: plain(value) for key, value in tree.items()}
+    return np.asarray(tree)
+
+
+class DewSampling(harness.Runner):
+    def __init__(self, workdir: Path, sample_steps: int):
+        import jax
+        import jax.numpy as jnp
+
+        from dew.sampling import Heun, sample
+
+        objective = dew_objective()
+        variables = pickle.loads((workdir / "variables.pkl").read_bytes())
+        denoise = objective.process.denoiser(objective.model, variables)
+        x_T = jnp.asarray(np.load(workdir / "x_T.npy"))
+        self.batch, self.workdir = x_T.shape[0], workdir
+        self.draw = lambda: jax.block_until_ready(sample(denoise, x_T, solver=Heun(), steps=sample_steps))
+        self.samples = np.asarray(self.draw())  # compiles
+        probe, probe_noise = probe_inputs()
+        self.probe = np.asarray(objective.model.apply(variables, jnp.asarray(probe), jnp.asarray(probe_noise)))
+        self.info = {}
+
+    def window(self):
+        start = time.perf_counter()
+        self.draw()
+        return time.perf_counter() - start, self.batch
+
+    def finish(self):
+        np.save(self.workdir / "samples_dew.npy", self.samples)
+        np.save(self.workdir / "probe_dew.npy", self.probe)
+        return {}
+
+
+def probe_inputs() -> tuple[np.ndarray, np.ndarray]:
+    """Four fixed images and noise inputs on which both networks' outputs are compared."""
+    probe = np.random.default_rng(2).standard_normal((4, SIZE, SIZE, CHANNELS)).astype(np.float32)
+    return probe, np.array([-1.5, -0.5, 0.3, 1.1], np.float32)
 
 
 # --- the PyTorch reference DiT ------------------------------------------------------------------
@@ -267,23 +335,27 @@ def edm_scalings(sigma):
     return total.rsqrt(), SIGMA_DATA**2 / total, sigma * SIGMA_DATA * total.rsqrt(), sigma.log() / 4
 
 
-class TorchSide(EagerLoop):
-    def __init__(self, torch_batches):
+class TorchTraining(harness.Runner):
+    def __init__(self, batches: np.ndarray, loss_steps: int, last: int, window: int, compile: bool):
         import torch
 
         self.torch = torch
         torch.manual_seed(0)
-        self.model = build_torch_dit()
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
-        )
-        self.ema = [p.detach().clone() for p in self.model.parameters()]
-        self.batches = torch_batches
+        model = build_torch_dit()
+        model.train()
+        self.parameters = list(model.parameters())
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        self.ema = [p.detach().clone() for p in self.parameters]
+        self.model = torch.compile(model) if compile else model
         self.generator = torch.Generator().manual_seed(1)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        self.batches = [torch.from_numpy(b) for b in batches]
+        losses = self.run(self.batches[:loss_steps])  # the loss run, or the warm-up (compiles)
+        self.info = {"params": sum(p.numel() for p in self.parameters), "threads": torch.get_num_threads(),
+                     "torch": torch.__version__}
+        if loss_steps >= last:
+            self.info.update({f"loss_last{last}": round(statistics.fmean(losses[-last:]), 4),
+                              "loss_first10": round(statistics.fmean(losses[:10]), 4)})
+        self.timed = self.batches[:window]
 
     def step(self, images):
         torch = self.torch
@@ -301,8 +373,49 @@ class TorchSide(EagerLoop):
         loss.backward()
         self.optimizer.step()
         with torch.no_grad():
-            torch._foreach_lerp_(self.ema, list(self.model.parameters()), 1.0 - EMA)
+            torch._foreach_lerp_(self.ema, self.parameters, 1.0 - EMA)
         return loss.detach()
+
+    def run(self, batches) -> list[float]:
+        return [float(x) for x in [self.step(b) for b in batches]]  # losses read after the loop
+
+    def window(self):
+        start = time.perf_counter()
+        self.run(self.timed)
+        return time.perf_counter() - start, len(self.timed)
+
+
+class DiffusersSampling(harness.Runner):
+    def __init__(self, workdir: Path, sample_steps: int, save: bool):
+        import diffusers
+        import torch
+
+        self.torch, self.steps, self.workdir, self.save = torch, sample_steps, workdir, save
+        self.net = build_torch_dit().eval()
+        load_dew_params(self.net, pickle.loads((workdir / "variables.pkl").read_bytes())["params"])
+        grid = np.load(workdir / "grid.npy")
+        self.scheduler, self.exact_sigmas, mismatch = edm_scheduler(sample_steps, grid)
+        self.x_T = torch.from_numpy(np.load(workdir / "x_T.npy"))
+        self.samples = self.draw().numpy()  # warm-up
+        probe, probe_noise = probe_inputs()
+        with torch.inference_mode():
+            self.probe = self.net(torch.from_numpy(probe), torch.from_numpy(probe_noise)).numpy()
+        self.info = {"scheduler_own_grid_max_rel_diff": round(mismatch, 5), "threads": torch.get_num_threads(),
+                     "diffusers": diffusers.__version__, "torch": torch.__version__}
+
+    def draw(self):
+        return diffusers_sample(self.torch, self.scheduler, self.exact_sigmas, self.net, self.x_T, self.steps)
+
+    def window(self):
+        start = time.perf_counter()
+        self.draw()
+        return time.perf_counter() - start, self.x_T.shape[0]
+
+    def finish(self):
+        if self.save:
+            np.save(self.workdir / "samples_torch.npy", self.samples)
+            np.save(self.workdir / "probe_torch.npy", self.probe)
+        return {}
 
 
 # --- sampling -----------------------------------------------------------------------------------
@@ -347,163 +460,124 @@ def diffusers_sample(torch, scheduler, exact_sigmas, net, x_T, steps: int):
     return x
 
 
+def worker(config: dict) -> harness.Runner:
+    workdir = Path(config["workdir"])
+    if config["side"] == "dew":
+        if config["part"] == "train":
+            return DewTraining(np.load(workdir / "batches.npy"), config["loss_steps"], config["last"],
+                               config["window"], workdir, config["sample_steps"])
+        return DewSampling(workdir, config["sample_steps"])
+    import torch
+
+    if config["threads"] is not None:
+        torch.set_num_threads(config["threads"])
+    defaults = config["threads"] is None and not config.get("compile")
+    if config["part"] == "train":
+        loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP
+        return TorchTraining(np.load(workdir / "batches.npy"), loss_steps, config["last"], config["window"],
+                             config.get("compile", False))
+    return DiffusersSampling(workdir, config["sample_steps"], save=defaults)
+
+
 def main() -> None:
+    if (config := harness.worker_config()) is not None:
+        harness.serve(config, worker)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short sanity run (few steps and windows)")
     parser.add_argument("--batch", type=int, default=32, help="training batch")
-    parser.add_argument("--steps", type=int, default=200, help="steps of the loss run (each side)")
-    parser.add_argument("--last", type=int, default=50, help="losses averaged at the end of the loss run")
-    parser.add_argument("--window", type=int, default=20, help="steps per timed window")
-    parser.add_argument("--repeats", type=int, default=5, help="timed windows per side")
+    parser.add_argument("--steps", type=int, help="steps of the loss run (default 200; 20 with --quick)")
+    parser.add_argument("--last", type=int, help="losses averaged at the end of the loss run (default 50; 10)")
+    parser.add_argument("--window", type=int, help="steps per timed window (default 10; 4)")
+    parser.add_argument("--repeats", type=int, help="timed windows per side (default 4; 2)")
     parser.add_argument("--sample-batch", type=int, default=16, help="images per sampling run")
-    parser.add_argument("--sample-steps", type=int, default=40, help="Heun steps")
-    parser.add_argument("--sample-repeats", type=int, default=3, help="timed sampling runs per side")
+    parser.add_argument("--sample-steps", type=int, help="Heun steps (default 40; 10)")
+    parser.add_argument("--sample-repeats", type=int, help="timed sampling runs per side (default 3; 2)")
     parser.add_argument("--skip-sampling", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configuration")
+    parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew side")
+    parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the torch sides")
     args = parser.parse_args()
+    defaults = dict(steps=(200, 20), last=(50, 10), window=(10, 4), repeats=(4, 2), sample_steps=(40, 10),
+                    sample_repeats=(3, 2))
+    for name, pair in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, pair[args.quick])
     if args.steps < args.last:
         parser.error("--steps must be at least --last")
 
-    import torch
+    script = str(Path(__file__).resolve())
+    hardware = f"{platform.processor() or platform.machine()}, {harness.cores()} cores"
+    config = {"loss_steps": args.steps, "last": args.last, "window": args.window,
+              "sample_steps": args.sample_steps}
+    with tempfile.TemporaryDirectory(prefix="dew-diffusion-") as directory:
+        workdir = Path(directory)
+        np.save(workdir / "batches.npy", np.stack(make_batches(max(args.steps, args.window), args.batch)))
+        train = {**config, "part": "train"}
+        sides = [harness.side("dew", "dew", script, [], {**train, "side": "dew"}, python=args.dew_python)]
+        sides += harness.torch_sides(script, [], {**train, "side": "torch"}, compile=not args.no_compile,
+                                     python=args.peer_python)
+        result = harness.compare(sides, args.repeats, workdir=workdir)
+        dew = result.dew
+        torch_default = next(o for o in result.outcomes if o.name == "torch defaults")
+        torch_loss = next(o for o in result.outcomes if o.config.get("loss_run"))
+        print(json.dumps({
+            "benchmark": "diffusion_train",
+            "work": (
+                f"SimpleDiT {SIZE}x{SIZE}x{CHANNELS} patch {PATCH}, {LAYERS}L x {HEADS}H x {WIDTH}, "
+                f"MLP x{MLP_RATIO:g}, batch {args.batch}, unconditional; EDM (ln sigma ~ N({P_MEAN}, {P_STD}^2), "
+                f"Karras preconditioning, sigma_data {SIGMA_DATA}); AdamW lr {LR} betas {list(BETAS)} "
+                f"wd {WEIGHT_DECAY}, EMA {EMA}; synthetic disc images"
+            ),
+            "peer": "plain-torch DiT mirroring SimpleDiT + torch.optim.AdamW (eager, and over torch.compile)",
+            "params": {"dew": dew.info["params"], "torch": torch_default.info.get("params")},
+            **result.report("steps_per_s", 3),
+            "dew_images_per_s": round(dew.rate * args.batch, 1),
+            "goal": "dew_over_best_peer >= 1.2",
+            "window_steps": args.window,
+            "loss_steps": args.steps,
+            f"dew_loss_last{args.last}": dew.info[f"loss_last{args.last}"],
+            f"torch_loss_last{args.last}": torch_loss.info.get(f"loss_last{args.last}"),
+            "dew_loss_first10": dew.info["loss_first10"],
+            "torch_loss_first10": torch_loss.info.get("loss_first10"),
+            "torch_loss_run_by": torch_loss.name,
+            "torch_default_threads": torch_default.info.get("threads"),
+            "hardware": hardware,
+            "jax": dew.info["jax"],
+            "torch": torch_default.info.get("torch"),
+        }), flush=True)
+        if args.skip_sampling:
+            return
 
-    threads = cores()
-    torch.set_num_threads(threads)
-    load_start = os.getloadavg()[0]
-    batches = make_batches(max(args.steps, args.window), args.batch)
-    torch_batches = [torch.from_numpy(b) for b in batches]
-    hardware = (f"{jax.devices()[0].device_kind} x{jax.device_count()}, "
-                f"{platform.processor() or platform.machine()}, {threads} cores")
-    thread_counts = sorted({threads, 1}, reverse=True)
-    thread_info = {"torch_loss_run": threads, "jax_xla_cpu": f"default pool ({threads} cores)",
-                   "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}
-
-    trainer = dew_trainer()
-    peer = TorchSide(torch_batches)
-
-    # 1. loss run on the same batch sequence (Dew's compile happens here and is not timed below)
-    _, state = dew_fit(trainer, batches[: args.steps], args.steps, args.batch)
-    dew_losses = [row["loss"] for row in trainer.history]
-    _, torch_losses = peer.run(args.steps)
-
-    # 2. interleaved timed windows, both warm; torch at the core count and at one thread
-    timed = batches[: args.window]
-    peer.batches = torch_batches[: args.window]
-    dew_rates, torch_rates = [], {n: [] for n in thread_counts}
-    for _ in range(args.repeats):
-        for n in thread_counts:
-            torch.set_num_threads(n)
-            seconds, _ = peer.run(args.window)
-            torch_rates[n].append(args.window / seconds)
-        dew_rates.append(args.window / dew_fit(trainer, timed, args.window, args.batch)[0])
-    torch.set_num_threads(threads)
-    dew = statistics.median(dew_rates)
-    torch_by_threads = {n: statistics.median(r) for n, r in torch_rates.items()}
-    best_threads = max(torch_by_threads, key=torch_by_threads.get)
-    peer_rate = torch_by_threads[best_threads]
-
-    # the two networks compute the same function: Dew's trained weights in the torch DiT
-    params = state.variables["params"]
-    dew_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    net = build_torch_dit().eval()
-    load_dew_params(net, params)
-    probe = np.random.default_rng(2).standard_normal((4, SIZE, SIZE, CHANNELS)).astype(np.float32)
-    probe_noise = np.array([-1.5, -0.5, 0.3, 1.1], np.float32)
-    dew_out = np.asarray(trainer.objective.model.apply(state.variables, jnp.asarray(probe), jnp.asarray(probe_noise)))
-    with torch.inference_mode():
-        torch_out = net(torch.from_numpy(probe), torch.from_numpy(probe_noise)).numpy()
-    forward_diff = float(np.max(np.abs(dew_out - torch_out)))
-
-    print(json.dumps({
-        "benchmark": "diffusion_train",
-        "work": (
-            f"SimpleDiT {SIZE}x{SIZE}x{CHANNELS} patch {PATCH}, {LAYERS}L x {HEADS}H x {WIDTH}, MLP x{MLP_RATIO:g}, "
-            f"batch {args.batch}, unconditional; EDM (ln sigma ~ N({P_MEAN}, {P_STD}^2), Karras "
-            f"preconditioning, sigma_data {SIGMA_DATA}); AdamW lr {LR} betas {list(BETAS)} wd {WEIGHT_DECAY}, "
-            f"EMA {EMA}; synthetic disc images"
-        ),
-        "peer": "plain-torch DiT mirroring SimpleDiT + torch.optim.AdamW, eager",
-        "params": {"dew": dew_params, "torch": peer.num_params()},
-        "forward_max_abs_diff_same_weights": forward_diff,
-        "dew_steps_per_s": round(dew, 3),
-        "torch_steps_per_s": round(peer_rate, 3),
-        "torch_steps_per_s_by_threads": {str(n): round(r, 3) for n, r in torch_by_threads.items()},
-        "dew_images_per_s": round(dew * args.batch, 1),
-        "torch_images_per_s": round(peer_rate * args.batch, 1),
-        "dew_over_torch": round(dew / peer_rate, 3),
-        "dew_over_torch_at_core_count": round(dew / torch_by_threads[threads], 3),
-        "goal": "dew_over_torch >= 1.2",
-        "timing": f"median of {args.repeats} interleaved windows of {args.window} steps, compile excluded",
-        "loss_steps": args.steps,
-        f"dew_loss_last{args.last}": round(statistics.fmean(dew_losses[-args.last:]), 4),
-        f"torch_loss_last{args.last}": round(statistics.fmean(torch_losses[-args.last:]), 4),
-        "dew_loss_first10": round(statistics.fmean(dew_losses[:10]), 4),
-        "torch_loss_first10": round(statistics.fmean(torch_losses[:10]), 4),
-        "threads": {"torch": best_threads, **thread_info},
-        "hardware": hardware,
-        "load_average_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-        "jax": jax.__version__,
-        "torch": torch.__version__,
-    }), flush=True)
-    if args.skip_sampling:
-        return
-
-    # Part 2: sampling with the trained Dew weights, on both sides
-    import diffusers
-
-    process = trainer.objective.process
-    denoise = process.denoiser(trainer.objective.model, state.variables)
-    x_T = process.noise(jax.random.key(3), (args.sample_batch, SIZE, SIZE, CHANNELS))
-    grid = np.asarray(process.sigmas(args.sample_steps))
-    scheduler, exact_sigmas, grid_mismatch = edm_scheduler(args.sample_steps, grid)
-    torch_x_T = torch.from_numpy(np.array(x_T))
-
-    def dew_draw():
-        return jax.block_until_ready(sample(denoise, x_T, solver=Heun(), steps=args.sample_steps))
-
-    dew_images = np.asarray(dew_draw())  # compiles
-    torch_images = diffusers_sample(torch, scheduler, exact_sigmas, net, torch_x_T, args.sample_steps).numpy()
-    sample_rates, diffusers_rates = [], {n: [] for n in thread_counts}
-    for _ in range(args.sample_repeats):
-        for n in thread_counts:
-            torch.set_num_threads(n)
-            start = time.perf_counter()
-            diffusers_sample(torch, scheduler, exact_sigmas, net, torch_x_T, args.sample_steps)
-            diffusers_rates[n].append(args.sample_batch / (time.perf_counter() - start))
-        start = time.perf_counter()
-        dew_draw()
-        sample_rates.append(args.sample_batch / (time.perf_counter() - start))
-    torch.set_num_threads(threads)
-    dew_sampling = statistics.median(sample_rates)
-    diffusers_by_threads = {n: statistics.median(r) for n, r in diffusers_rates.items()}
-    best_sampling_threads = max(diffusers_by_threads, key=diffusers_by_threads.get)
-    diffusers_rate = diffusers_by_threads[best_sampling_threads]
-
-    print(json.dumps({
-        "benchmark": "diffusion_sample",
-        "work": (
-            f"{args.sample_steps} Heun steps ({2 * args.sample_steps - 1} network calls), batch "
-            f"{args.sample_batch}, Karras rho 7 grid {SIGMA_MAX} -> {SIGMA_MIN}, over the trained "
-            f"SimpleDiT of diffusion_train (same weights in the torch DiT)"
-        ),
-        "peer": (
-            f"diffusers {diffusers.__version__} HeunDiscreteScheduler(trained_betas = a log-uniform "
-            f"{SIGMA_MIN}..{SIGMA_MAX} sigma table, use_karras_sigmas=True, prediction_type='sample') "
-            "loop around the torch DiT as an EDM denoiser; its sigmas replaced by Dew's grid"
-        ),
-        "scheduler_own_grid_max_rel_diff": round(grid_mismatch, 5),
-        "samples_max_abs_diff": float(np.max(np.abs(dew_images - torch_images))),
-        "dew_images_per_s": round(dew_sampling, 3),
-        "diffusers_images_per_s": round(diffusers_rate, 3),
-        "diffusers_images_per_s_by_threads": {str(n): round(r, 3) for n, r in diffusers_by_threads.items()},
-        "dew_over_diffusers": round(dew_sampling / diffusers_rate, 3),
-        "dew_over_diffusers_at_core_count": round(dew_sampling / diffusers_by_threads[threads], 3),
-        "goal": "dew_over_diffusers >= 1.2",
-        "timing": f"median of {args.sample_repeats} interleaved runs, compile excluded",
-        "threads": {"torch": best_sampling_threads, "jax_xla_cpu": thread_info["jax_xla_cpu"],
-                    "OMP_WAIT_POLICY": thread_info["OMP_WAIT_POLICY"]},
-        "hardware": hardware,
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "jax": jax.__version__,
-        "torch": torch.__version__,
-    }), flush=True)
+        x_T = SIGMA_MAX * np.random.default_rng(3).standard_normal((args.sample_batch, SIZE, SIZE, CHANNELS))
+        np.save(workdir / "x_T.npy", x_T.astype(np.float32))
+        sample_config = {**config, "part": "sample"}
+        sides = [harness.side("dew", "dew", script, [], {**sample_config, "side": "dew"}, python=args.dew_python)]
+        sides += harness.torch_sides(script, [], {**sample_config, "side": "torch"}, compile=False,
+                                     python=args.peer_python, label="diffusers")
+        result = harness.compare(sides, args.sample_repeats, workdir=workdir)
+        peer = next(o for o in result.outcomes if o.name == "diffusers defaults")
+        samples = [np.load(workdir / f"samples_{s}.npy") for s in ("dew", "torch")]
+        probes = [np.load(workdir / f"probe_{s}.npy") for s in ("dew", "torch")]
+        print(json.dumps({
+            "benchmark": "diffusion_sample",
+            "work": (
+                f"{args.sample_steps} Heun steps ({2 * args.sample_steps - 1} network calls), batch "
+                f"{args.sample_batch}, Karras rho 7 grid {SIGMA_MAX} -> {SIGMA_MIN}, over the SimpleDiT trained "
+                f"in part 1 (same weights in the torch DiT)"
+            ),
+            "peer": (
+                f"diffusers {peer.info.get('diffusers')} HeunDiscreteScheduler(trained_betas = a log-uniform "
+                f"{SIGMA_MIN}..{SIGMA_MAX} sigma table, use_karras_sigmas=True, prediction_type='sample') "
+                "loop around the torch DiT as an EDM denoiser; its sigmas replaced by Dew's grid"
+            ),
+            "scheduler_own_grid_max_rel_diff": peer.info.get("scheduler_own_grid_max_rel_diff"),
+            "samples_max_abs_diff": float(np.max(np.abs(samples[0] - samples[1]))),
+            "forward_max_abs_diff_same_weights": float(np.max(np.abs(probes[0] - probes[1]))),
+            **result.report("images_per_s", 3),
+            "goal": "dew_over_best_peer >= 1.2",
+            "hardware": hardware,
+        }), flush=True)
 
 
 if __name__ == "__main__":

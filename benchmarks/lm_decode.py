@@ -8,52 +8,44 @@ prompts by 128 greedy tokens, with no end-of-sequence token, at batch 1 and batc
 `generate(..., sampling=Sampling(temperature=0.0))` on the model and weights that
 `dew.inference.decode_layout.DecodeWeights.get(rows)` gives for the batch, as `TextGeneration` does
 (the CPU decode layout for one row, converted once, in the compiling call; the weights as loaded
-for several), transformers with
-`model.generate(do_sample=False, use_cache=True)` under `torch.inference_mode()`.
+for several), transformers with `model.generate(do_sample=False, use_cache=True)` under
+`torch.inference_mode()`.
 
+Each side runs in its own process (benchmarks/harness.py): Dew, transformers at torch's library
+defaults and at each smaller thread count (with no environment setting that slows it), and
+`matmul_floor`, the model's matrix products alone (every weight matrix once per token in one
+jitted loop, nothing else), the ceiling XLA:CPU's products set for any decoder on this backend.
 For each batch size it reports tokens/s of each (new tokens over the wall time of one whole call,
-prefill included; median of --repeats calls after a warm-up call, interleaved), their ratio, how many
-rows agree token for token and, for each row that does not, the first position where it parts (random
-weights leave near-ties in the logits, so a late parting is rounding; an early one is a bug).
-torch runs at the core count and at one thread (on a shared, oversubscribed machine one thread can
-win), and the ratio is taken against the faster.
+prefill included; median of --repeats alternating calls after a warm-up call), Dew's ratio
+against the fastest transformers configuration and against the floor, how many rows agree token
+for token and, for each row that does not, the first position where it parts (random weights
+leave near-ties in the logits, so a late parting is rounding; an early one is a bug). Dew's
+prefill is timed apart (a call with max_new_tokens=1, after each timed call), so the per-token
+cost of the decode loop is reported beside the whole-call figure.
 
-It also measures the machine's memory bandwidth (jitted float32 sums over a --bandwidth-mb array:
-to one scalar, and per row of a [1024, -1] view, which XLA spreads over the cores; the larger counts)
-and the batch-1 bound: bandwidth / bytes of all weights, as every weight is read once per token.
-It also times the model's matrix products alone (`matmul_floor`: every weight matrix once per
-token in one jitted loop, nothing else, interleaved with the other calls), the ceiling XLA:CPU's
-matrix products set for a decoder on this backend, and reports Dew's rate over it. Dew's prefill is timed apart (a call with max_new_tokens=1), so the per-token cost of the decode
-loop is reported beside the whole-call figure. Prints one JSON line per batch size.
+The floor's process also measures the machine's memory bandwidth (jitted float32 sums over a
+--bandwidth-mb array: to one scalar, and per row of a [1024, -1] view, which XLA spreads over the
+cores; the larger counts), giving the batch-1 bound: bandwidth / bytes of all weights, as every
+weight is read once per token. Prints one JSON line per batch size.
 
-Needs torch, transformers and Dew in one environment:
-
-    .venv-ref/bin/python benchmarks/lm_decode.py [--repeats 5] [--new-tokens 128] [--batches 1 8]
+    .venv-ref/bin/python benchmarks/lm_decode.py [--quick] [--repeats 5] [--new-tokens 128] [--batches 1 8]
 """
 
 from __future__ import annotations
-
-import os
-
-# GNU OpenMP's default spin-wait collapses torch's multi-threaded speed when the machine runs more
-# busy threads than it has cores; set before torch loads libgomp (an explicit setting wins).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dew.inference.decode_layout import DecodeWeights, transposed_product
-from dew.interop import PretrainedDecoder
-from dew.sampling import Sampling, generate
-from common import cores
+import harness
 
 CONFIG = dict(
     vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -84,6 +76,9 @@ def memory_bandwidth(megabytes: int, repeats: int = 7) -> tuple[float, float]:
     of the same array viewed as [1024, -1], which it splits over the cores. The larger is the
     machine's figure.
     """
+    import jax
+    import jax.numpy as jnp
+
     size = megabytes * 2**20 // 4
     x = jnp.ones((size,), jnp.float32)
     rates = []
@@ -113,6 +108,11 @@ def matmul_floor(params, batch: int, new: int):
     kernels for one row, the training layout otherwise), in the same forms, so the floor counts the
     same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
     """
+    import jax
+    import jax.numpy as jnp
+
+    from dew.inference.decode_layout import transposed_product
+
     layers = sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
     blocks = [{"attn": params[layer]["self_attn"], "mlp": params[layer]["mlp"]} for layer in layers]
     embedding = params["embed_tokens"]["embedding"]
@@ -166,130 +166,197 @@ def first_parting(a: np.ndarray, b: np.ndarray) -> int | None:
     return None if differ.size == 0 else int(differ[0])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--bandwidth-mb", type=int, default=512)
-    args = parser.parse_args()
+class DewDecoding(harness.Runner):
+    def __init__(self, workdir: Path, batch: int, new: int):
+        import jax
+        import jax.numpy as jnp
 
-    import torch
-    import transformers
+        from dew.inference.decode_layout import DecodeWeights
+        from dew.interop import PretrainedDecoder
+        from dew.sampling import Sampling, generate
 
-    threads = cores()
-    torch.set_num_threads(threads)
-    thread_counts = sorted({threads, 1}, reverse=True)
-    flat_bandwidth, row_bandwidth = memory_bandwidth(args.bandwidth_mb)
-    bandwidth = max(flat_bandwidth, row_bandwidth)
-    new = args.new_tokens
+        bundle = PretrainedDecoder.load(str(workdir / "checkpoint"), dtype=jnp.float32)
+        weights = DecodeWeights(bundle.model, bundle.variables)  # what TextGeneration holds
+        self.rows, self.new, self.workdir = np.load(workdir / "prompts.npy")[:batch], new, workdir
+        greedy, key = Sampling(temperature=0.0), jax.random.key(0)
 
-    with tempfile.TemporaryDirectory() as directory:
-        hf_model = build_checkpoint(directory)
-        bundle = PretrainedDecoder.load(directory, dtype=jnp.float32)
-    model, variables = bundle.model, bundle.variables
-    weights = DecodeWeights(model, variables)  # what TextGeneration holds for its weights
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(variables["params"]))
-    hf_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
-    bound = bandwidth / weight_bytes  # batch-1 tokens/s if every weight is read once per token
-    greedy = Sampling(temperature=0.0)
-    key = jax.random.key(0)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, CONFIG["vocab_size"], (max(args.batches), PROMPT_LEN), dtype=np.int32)
+        def call(tokens):
+            start = time.perf_counter()
+            decoder, decoder_variables = weights.get(batch)
+            out = generate(decoder, decoder_variables, self.rows, tokens, key=key, sampling=greedy)
+            jax.block_until_ready(out.tokens)
+            return time.perf_counter() - start, np.asarray(out.tokens)
 
-    def dew_call(rows, tokens):
-        start = time.perf_counter()
-        decoder, decoder_variables = weights.get(len(rows))
-        out = generate(decoder, decoder_variables, rows, tokens, key=key, sampling=greedy)
-        jax.block_until_ready(out.tokens)
-        return time.perf_counter() - start, np.asarray(out.tokens)
+        self.call = call
+        _, self.tokens = call(new)  # compiles
+        call(1)  # compiles the prefill-only call
+        self.prefill_times = []
+        self.info = {"dew_model": type(weights.get(batch)[0]).__name__,  # DecodeTransformer: the decode layout
+                     "weight_bytes": sum(x.size * x.dtype.itemsize
+                                         for x in jax.tree_util.tree_leaves(bundle.variables["params"])),
+                     "jax": jax.__version__}
 
-    def hf_call(rows):
-        ids = torch.from_numpy(rows.astype(np.int64))
+    def window(self):
+        seconds, _ = self.call(self.new)
+        self.prefill_times.append(self.call(1)[0])
+        return seconds, self.rows.shape[0] * self.new
+
+    def finish(self):
+        np.save(self.workdir / "tokens_dew.npy", self.tokens)
+        return {"prefill_s": statistics.median(self.prefill_times)}
+
+
+class MatmulFloor(harness.Runner):
+    def __init__(self, workdir: Path, batch: int, new: int, bandwidth_mb: int):
+        import jax.numpy as jnp
+
+        from dew.inference.decode_layout import DecodeWeights
+        from dew.interop import PretrainedDecoder
+
+        flat, rows = memory_bandwidth(bandwidth_mb)
+        bundle = PretrainedDecoder.load(str(workdir / "checkpoint"), dtype=jnp.float32)
+        weights = DecodeWeights(bundle.model, bundle.variables)
+        self.call = matmul_floor(weights.get(batch)[1]["params"], batch, new)
+        self.units = batch * new
+        self.info = {"bandwidth_flat": flat, "bandwidth_rows": rows}
+
+    def window(self):
+        return self.call(), self.units
+
+
+class TransformersDecoding(harness.Runner):
+    def __init__(self, workdir: Path, batch: int, new: int, save: bool):
+        import torch
+        import transformers
+
+        self.torch, self.new, self.workdir, self.save = torch, new, workdir, save
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(workdir / "checkpoint"), dtype=torch.float32).eval()
+        self.ids = torch.from_numpy(np.load(workdir / "prompts.npy")[:batch].astype(np.int64))
+        _, self.tokens = self.call()  # warm-up
+        self.info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "transformers": transformers.__version__,
+                     "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+
+    def call(self):
+        torch, ids = self.torch, self.ids
         with torch.inference_mode():
             start = time.perf_counter()
-            out = hf_model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0,
+            out = self.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.new,
+                min_new_tokens=self.new, do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0,
             )
             seconds = time.perf_counter() - start
         return seconds, out[:, PROMPT_LEN:].numpy()
 
-    for batch in args.batches:
-        rows = prompts[:batch]
-        _, dew_tokens = dew_call(rows, new)  # compile
-        dew_call(rows, 1)  # compile the prefill-only call
-        _, hf_tokens = hf_call(rows)  # warm-up
-        floor_call = matmul_floor(weights.get(batch)[1]["params"], batch, new)
-        dew_times, prefill_times, floor_times, hf_times = [], [], [], {n: [] for n in thread_counts}
-        for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both
-            for n in thread_counts:
-                torch.set_num_threads(n)
-                hf_times[n].append(hf_call(rows)[0])
-            torch.set_num_threads(threads)
-            dew_times.append(dew_call(rows, new)[0])
-            prefill_times.append(dew_call(rows, 1)[0])
-            floor_times.append(floor_call())
-        dew_s, prefill_s = statistics.median(dew_times), statistics.median(prefill_times)
-        floor = batch * new / statistics.median(floor_times)
-        hf_rate = {n: batch * new / statistics.median(t) for n, t in hf_times.items()}
-        best = max(hf_rate, key=hf_rate.get)
-        dew_rate = batch * new / dew_s
-        loop_rate = batch * (new - 1) / max(dew_s - prefill_s, 1e-9)  # the decode loop alone
+    def window(self):
+        return self.call()[0], self.ids.shape[0] * self.new
 
-        partings = [first_parting(d, h) for d, h in zip(dew_tokens, hf_tokens)]
-        parted = [p for p in partings if p is not None]
-        record = {
-            "benchmark": "lm_decode",
-            "work": (
-                f"random Qwen3 {CONFIG['num_hidden_layers']}L x {CONFIG['hidden_size']}, "
-                f"{CONFIG['num_attention_heads']}H/{CONFIG['num_key_value_heads']}KV x {CONFIG['head_dim']}, "
-                f"SwiGLU {CONFIG['intermediate_size']}, vocab {CONFIG['vocab_size']}, tied, float32; "
-                f"greedy, prompt {PROMPT_LEN} + {new} new tokens, batch {batch}, no EOS"
-            ),
-            "batch": batch,
-            "dew_model": type(weights.get(batch)[0]).__name__,  # DecodeTransformer: the decode layout
-            "dew_tokens_per_s": round(dew_rate, 1),
-            "transformers_tokens_per_s": round(hf_rate[best], 1),
-            "transformers_tokens_per_s_by_threads": {str(n): round(r, 1) for n, r in hf_rate.items()},
-            "dew_over_transformers": round(dew_rate / hf_rate[best], 3),
-            "dew_over_transformers_at_core_count": round(dew_rate / hf_rate[threads], 3),
-            "xla_matmul_floor_tokens_per_s": round(floor, 1),
-            "dew_over_xla_matmul_floor": round(dew_rate / floor, 3),
-            "dew_prefill_ms": round(prefill_s * 1e3, 1),
-            "dew_decode_loop_tokens_per_s": round(loop_rate, 1),
-            "rows_identical": f"{len(partings) - len(parted)}/{len(partings)}",
-            "first_parting_positions": partings,
-            "earliest_parting": min(parted) if parted else None,
-            "weight_bytes": weight_bytes,
-            "transformers_weight_bytes": hf_bytes,
-            "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-            "bandwidth": (
-                f"jitted float32 sums over {args.bandwidth_mb} MB, median of 7: to a scalar "
-                f"{flat_bandwidth / 1e9:.2f} GB/s, per row of [1024, -1] {row_bandwidth / 1e9:.2f} GB/s; the larger"
-            ),
-        }
-        if batch == 1:
-            record["bandwidth_bound_tokens_per_s"] = round(bound, 1)
-            record["dew_fraction_of_bound"] = round(dew_rate / bound, 3)
-            record["dew_decode_loop_fraction_of_bound"] = round(loop_rate / bound, 3)
-            record["goal"] = "dew_over_transformers >= 3 and dew_fraction_of_bound >= 0.75"
-        else:
-            record["goal"] = "dew_over_transformers >= 3"
-        record.update({
-            "timing": f"whole generate call, median of {args.repeats} interleaved calls, compile excluded",
-            "threads": {
-                "torch": best, "jax_xla_cpu": f"default pool ({threads} cores)",
-                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-            },
-            "hardware": f"{jax.devices()[0].device_kind} x{jax.device_count()}, "
-            f"{platform.processor() or platform.machine()}, {threads} cores",
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "jax": jax.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        })
-        print(json.dumps(record), flush=True)
+    def finish(self):
+        if self.save:
+            np.save(self.workdir / "tokens_hf.npy", self.tokens)
+        return {}
+
+
+def worker(config: dict) -> harness.Runner:
+    workdir, batch, new = Path(config["workdir"]), config["batch"], config["new"]
+    if config["side"] == "dew":
+        return DewDecoding(workdir, batch, new)
+    if config["side"] == "floor":
+        return MatmulFloor(workdir, batch, new, config["bandwidth_mb"])
+    import torch
+
+    if config["threads"] is not None:
+        torch.set_num_threads(config["threads"])
+    return TransformersDecoding(workdir, batch, new, save=config["threads"] is None)
+
+
+def main() -> None:
+    if (config := harness.worker_config()) is not None:
+        harness.serve(config, worker)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short sanity run (16 new tokens, 2 calls)")
+    parser.add_argument("--repeats", type=int, help="timed calls per side (default 5; 2 with --quick)")
+    parser.add_argument("--new-tokens", type=int, help="new tokens per call (default 128; 16 with --quick)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--bandwidth-mb", type=int, default=512)
+    parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew side")
+    parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the torch sides")
+    parser.add_argument("--build-checkpoint", help=argparse.SUPPRESS)  # run in its own process by main
+    args = parser.parse_args()
+    if args.build_checkpoint:
+        build_checkpoint(args.build_checkpoint)
+        return
+    repeats = args.repeats or (2 if args.quick else 5)
+    new = args.new_tokens or (16 if args.quick else 128)
+    script = str(Path(__file__).resolve())
+    with tempfile.TemporaryDirectory(prefix="dew-lm-decode-") as directory:
+        workdir = Path(directory)
+        subprocess.run([args.peer_python, script, "--build-checkpoint", str(workdir / "checkpoint")],
+                       env=harness.peer_environment(), check=True, stdout=sys.stderr)
+        prompts = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (max(args.batches), PROMPT_LEN))
+        np.save(workdir / "prompts.npy", prompts.astype(np.int32))
+        for batch in args.batches:
+            config = {"batch": batch, "new": new, "bandwidth_mb": args.bandwidth_mb}
+            sides = [harness.side("dew", "dew", script, [], {**config, "side": "dew"}, python=args.dew_python),
+                     harness.side("xla_matmul_floor", "reference", script, [], {**config, "side": "floor"},
+                                  python=args.dew_python, env=harness.dew_environment())]
+            sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=False,
+                                         python=args.peer_python, label="transformers")
+            result = harness.compare(sides, repeats, workdir=workdir)
+            print(json.dumps(decode_record(result, batch, new, workdir, args.bandwidth_mb)), flush=True)
+
+
+def decode_record(result: harness.Comparison, batch: int, new: int, workdir: Path, bandwidth_mb: int) -> dict:
+    dew = result.dew
+    floor = next(o for o in result.outcomes if o.name == "xla_matmul_floor")
+    hf = next(o for o in result.outcomes if o.name == "transformers defaults")
+    dew_tokens, hf_tokens = np.load(workdir / "tokens_dew.npy"), np.load(workdir / "tokens_hf.npy")
+    partings = [first_parting(d, h) for d, h in zip(dew_tokens, hf_tokens)]
+    parted = [p for p in partings if p is not None]
+    prefill_s = dew.finished["prefill_s"]
+    loop_rate = batch * (new - 1) / max(batch * new / dew.rate - prefill_s, 1e-9)  # the decode loop alone
+    flat, rows = floor.info["bandwidth_flat"], floor.info["bandwidth_rows"]
+    bandwidth = max(flat, rows)
+    record = {
+        "benchmark": "lm_decode",
+        "work": (
+            f"random Qwen3 {CONFIG['num_hidden_layers']}L x {CONFIG['hidden_size']}, "
+            f"{CONFIG['num_attention_heads']}H/{CONFIG['num_key_value_heads']}KV x {CONFIG['head_dim']}, "
+            f"SwiGLU {CONFIG['intermediate_size']}, vocab {CONFIG['vocab_size']}, tied, float32; "
+            f"greedy, prompt {PROMPT_LEN} + {new} new tokens, batch {batch}, no EOS"
+        ),
+        "batch": batch,
+        "dew_model": dew.info["dew_model"],
+        **result.report("tokens_per_s", 1),
+        "dew_over_xla_matmul_floor": round(dew.rate / floor.rate, 3),
+        "dew_prefill_ms": round(prefill_s * 1e3, 1),
+        "dew_decode_loop_tokens_per_s": round(loop_rate, 1),
+        "rows_identical": f"{len(partings) - len(parted)}/{len(partings)}",
+        "first_parting_positions": partings,
+        "earliest_parting": min(parted) if parted else None,
+        "weight_bytes": dew.info["weight_bytes"],
+        "transformers_weight_bytes": hf.info.get("weight_bytes"),
+        "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "bandwidth": (
+            f"jitted float32 sums over {bandwidth_mb} MB, median of 7: to a scalar {flat / 1e9:.2f} GB/s, "
+            f"per row of [1024, -1] {rows / 1e9:.2f} GB/s; the larger"
+        ),
+    }
+    if batch == 1:
+        bound = bandwidth / dew.info["weight_bytes"]  # tokens/s if every weight is read once per token
+        record["bandwidth_bound_tokens_per_s"] = round(bound, 1)
+        record["dew_fraction_of_bound"] = round(dew.rate / bound, 3)
+        record["dew_decode_loop_fraction_of_bound"] = round(loop_rate / bound, 3)
+        record["goal"] = "dew_over_best_peer >= 3 and dew_fraction_of_bound >= 0.75"
+    else:
+        record["goal"] = "dew_over_best_peer >= 3 (XLA:CPU's floor: xla_matmul_floor_tokens_per_s)"
+    record.update({
+        "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores",
+        "jax": dew.info["jax"], "torch": hf.info.get("torch"), "transformers": hf.info.get("transformers"),
+    })
+    return record
 
 
 if __name__ == "__main__":

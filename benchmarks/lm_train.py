@@ -1,71 +1,80 @@
-"""Training throughput of a small Llama-style decoder: Dew's Trainer against transformers + torch.
+"""Training throughput of a Llama-style decoder: Dew's Trainer against transformers + torch.
 
-The work is nanoGPT's CPU shakespeare_char run (4 layers, 4 heads, width 128, context 64, batch 12,
-no dropout) in Llama form: a byte-level vocabulary of 256, RoPE, RMSNorm, a SwiGLU MLP of 512 (the
-same 4x width as nanoGPT's GELU MLP), tied embeddings, no biases. Dew trains `CausalTransformer`
-with `Trainer` + `LMObjective`; the peer is transformers' `LlamaForCausalLM` of the identical
-configuration, trained by a plain eager torch loop. Both use AdamW at a constant lr 1e-3, betas
-(0.9, 0.99), eps 1e-8, weight decay 0.1 on the 2-D weights only (matrices and the embedding, not
-the RMSNorm scales, as nanoGPT does), and no gradient clipping. Both read the same batches: 65-byte
-windows of the corpus (64 inputs, 64 next-byte targets), drawn from a seeded generator. The corpus is
-tinyshakespeare when the shared data folder holds it, else the text of Python's help topics
-(`dew.data.corpora`, in every install, as `dew demo` uses); the JSON line names the one used.
+Two sizes. `small` is nanoGPT's CPU shakespeare_char run (4 layers, 4 heads, width 128, context
+64, batch 12, no dropout) in Llama form: a byte-level vocabulary of 256, RoPE, RMSNorm, a SwiGLU
+MLP of 512 (the same 4x width as nanoGPT's GELU MLP), tied embeddings, no biases. `large` (width
+512, 8 layers, 8 heads, SwiGLU 1536, context 256, batch 8) is where the matrix products dominate.
+Dew trains `CausalTransformer` with `Trainer` + `LMObjective`; the peer is transformers'
+`LlamaForCausalLM` of the identical configuration, trained by a plain eager torch loop (and, as a
+further configuration, the same loop over `torch.compile(model)`). Both use AdamW at a constant lr
+1e-3, betas (0.9, 0.99), eps 1e-8, weight decay 0.1 on the 2-D weights only (matrices and the
+embedding, not the RMSNorm scales, as nanoGPT does), and no gradient clipping. Both read the same
+batches: context + 1 byte windows of the corpus, drawn from a seeded generator by the parent
+process and shared through a file. The corpus is tinyshakespeare when the shared data folder
+holds it, else the text of Python's help topics (`dew.data.corpora`, as `dew demo` uses).
 
-One process runs both, so machine noise hits both:
-  1. a loss run of --steps steps each on the same batch sequence (the first, compiling, call of
-     Dew is part of it), reporting the mean loss of the last 20 steps of each;
-  2. --repeats interleaved timed windows of --window steps each (after both are warm), reporting
-     the median tokens/s of each and their ratio; torch runs at the core count and at one thread
-     (on a shared, oversubscribed machine one thread can win), and the ratio is taken against the
-     faster (dew_over_torch_at_core_count is beside it);
-  3. the machine's matmul ceiling: a jitted float32 1024x1024 @ 1024x1024 in JAX (and torch.mm
-     beside it), so each side's achieved FLOP/s is reported as a fraction of the faster of the two,
-     with nanoGPT's estimate_mfu count: flops/token = 6 N + 12 L H Q T (N parameters, L layers,
-     H heads, Q head width, T context).
-Prints one JSON line.
+Each side runs in its own process (benchmarks/harness.py): Dew, and torch at its library
+defaults, at each smaller thread count and under `torch.compile`, with no environment setting
+that slows it. Per size:
+  1. setup: Dew and torch (its one-thread configuration, which never collapses on a busy
+     machine) each train --steps steps on the same batch sequence from the same seed (Dew's
+     compile is part of it) and report the mean loss of the last 20 (or of all, when fewer);
+     the other torch configurations warm up (and compile) on a few steps;
+  2. --repeats rounds of alternating timed windows of --window steps per side; the median
+     tokens/s of each configuration is reported, and Dew's ratio against the fastest;
+  3. the machine's matmul ceiling: a jitted float32 1024^3 matmul in JAX (Dew's process) and
+     torch.mm (torch's default process), so each side's achieved FLOP/s is a fraction of the
+     faster, with nanoGPT's estimate_mfu count: flops/token = 6 N + 12 L H Q T.
+Prints one JSON line per size.
 
-Needs torch, transformers and Dew in one environment:
-
-    .venv-ref/bin/python benchmarks/lm_train.py [--steps 200] [--window 40] [--repeats 5]
-        [--data PATH | --synthetic]
+    .venv-ref/bin/python benchmarks/lm_train.py [--sizes small large] [--quick]
+        [--steps N] [--window N] [--repeats N] [--data PATH | --synthetic]
 """
 
 from __future__ import annotations
 
-import os
-
-# GNU OpenMP's default spin-wait collapses torch's multi-threaded speed (0.2-0.5 steps/s instead of
-# ~3.5) when the machine runs more busy threads than it has cores; passive waiting avoids that. Set
-# before torch loads libgomp; an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from dew import Dataset, Trainer
-from dew.nn.backbones import CausalTransformer
-from dew.objectives.lm import LMObjective
-from common import EagerLoop, cores
+import harness
 
 # read when present; otherwise the corpus every install has (dew.data.corpora)
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
-# nanoGPT's CPU shakespeare_char settings, in Llama form
-VOCAB, WIDTH, LAYERS, HEADS, MLP, CONTEXT, BATCH = 256, 128, 4, 4, 512, 64, 12
-LR, BETAS, EPS, WEIGHT_DECAY, NORM_EPS, ROPE_THETA = 1e-3, (0.9, 0.99), 1e-8, 0.1, 1e-6, 10000.0
-LAST = 20  # losses averaged at the end of the loss run
+VOCAB, LR, BETAS, EPS, WEIGHT_DECAY, NORM_EPS, ROPE_THETA = 256, 1e-3, (0.9, 0.99), 1e-8, 0.1, 1e-6, 10000.0
+LAST = 20  # losses averaged at the end of the loss run (all of them when it is shorter)
+WARMUP = 3  # steps a configuration without a loss run takes before its windows (compiles here)
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    width: int
+    layers: int
+    heads: int
+    mlp: int
+    context: int
+    batch: int
+    steps: int  # loss run
+    window: int
+    repeats: int
+    quick: tuple[int, int, int]  # steps, window, repeats of --quick
+
+
+SIZES = {
+    "small": Size(128, 4, 4, 512, 64, 12, steps=200, window=20, repeats=4, quick=(LAST, 5, 2)),
+    "large": Size(512, 8, 8, 1536, 256, 8, steps=6, window=2, repeats=3, quick=(4, 1, 2)),
+}
 
 
 def load_corpus(path: str | None, synthetic: bool) -> tuple[np.ndarray, str]:
@@ -91,67 +100,113 @@ def as_bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(data, np.uint8).astype(np.int32)
 
 
-def make_batches(corpus: np.ndarray, count: int, seed: int = 0) -> list[np.ndarray]:
-    """`count` batches of BATCH random windows of CONTEXT + 1 bytes."""
+def make_batches(corpus: np.ndarray, count: int, size: Size, seed: int = 0) -> np.ndarray:
+    """[count, batch, context + 1] random windows of the corpus."""
     rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(corpus) - CONTEXT - 1, (count, BATCH))
-    return [np.stack([corpus[s : s + CONTEXT + 1] for s in row]) for row in starts]
+    starts = rng.integers(0, len(corpus) - size.context - 1, (count, size.batch))
+    return np.stack([np.stack([corpus[s : s + size.context + 1] for s in row]) for row in starts])
 
 
 # --- Dew ----------------------------------------------------------------------------------------
 
 
-def dew_trainer() -> Trainer:
-    model = CausalTransformer(
-        vocab_size=VOCAB, emb_features=WIDTH, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=HEADS,
-        mlp_features=MLP, max_seq_len=CONTEXT, rope_theta=ROPE_THETA, norm_eps=NORM_EPS,
-        qk_norm=False, tie_embeddings=True, dtype=jnp.float32, param_dtype=jnp.float32,
-    )
-    decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, mask=decay_mask)
-    return Trainer(LMObjective(model, CONTEXT), optimizer, key=jax.random.key(0))
+class DewSide(harness.Runner):
+    def __init__(self, size: Size, batches: np.ndarray, loss_steps: int, window: int):
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        from dew import Trainer
+        from dew.nn.backbones import CausalTransformer
+        from dew.objectives.lm import LMObjective
+
+        self.jax, self.size = jax, size
+        model = CausalTransformer(
+            vocab_size=VOCAB, emb_features=size.width, num_layers=size.layers, num_heads=size.heads,
+            num_kv_heads=size.heads, mlp_features=size.mlp, max_seq_len=size.context, rope_theta=ROPE_THETA,
+            norm_eps=NORM_EPS, qk_norm=False, tie_embeddings=True, dtype=jnp.float32, param_dtype=jnp.float32,
+        )
+        decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)  # noqa: E731
+        optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, mask=decay_mask)
+        self.trainer = Trainer(LMObjective(model, size.context), optimizer, key=jax.random.key(0))
+        self.fit(batches[:loss_steps], loss_steps)  # the loss run; compiles
+        losses = [row["loss"] for row in self.trainer.history]
+        params = sum(x.size for x in jax.tree_util.tree_leaves(self.trainer.init_state().variables["params"]))
+        self.info = {"params": params, "loss_last": round(statistics.fmean(losses[-LAST:]), 4),
+                     "loss_first": round(losses[0], 4), "jax": jax.__version__}
+        self.timed, self.steps = batches[:window], window
+
+    def fit(self, batches, steps: int) -> float:
+        """Train `steps` steps from a fresh state, as a user's `fit` call does; the wall seconds."""
+        from dew import Dataset
+
+        rows = [{"text": b} for b in batches]
+        data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows), batch=self.size.batch)
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):
+            state = self.trainer.fit(data, steps=steps, log_every=steps)
+        self.jax.block_until_ready(state)
+        return time.perf_counter() - start
+
+    def window(self):
+        return self.fit(self.timed, self.steps), self.steps * self.size.batch * self.size.context
+
+    def finish(self):
+        return {"matmul_gflops": matmul_gflops_jax()}
 
 
-def dew_fit(trainer: Trainer, batches, steps: int) -> float:
-    """Train `steps` steps from a fresh state; returns the wall seconds (progress lines go to stderr)."""
-    rows = [{"text": b} for b in batches]
-    data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows), batch=BATCH)
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):
-        state = trainer.fit(data, steps=steps, log_every=steps)
-    jax.block_until_ready(state)
-    return time.perf_counter() - start
+def matmul_gflops_jax(n: int = 1024, calls: int = 20, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+    mm = jax.jit(jnp.dot)
+    mm(a, b).block_until_ready()
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = mm(a, b)
+        out.block_until_ready()
+        rates.append(2 * n**3 * calls / (time.perf_counter() - start) / 1e9)
+    return round(statistics.median(rates), 1)
 
 
 # --- transformers + torch -----------------------------------------------------------------------
 
 
-class TorchSide(EagerLoop):
-    def __init__(self, torch_batches):
+class TorchSide(harness.Runner):
+    def __init__(self, size: Size, batches: np.ndarray, loss_steps: int, window: int, compile: bool):
         import torch
+        import transformers
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        self.torch = torch
+        self.torch, self.size = torch, size
         torch.manual_seed(0)
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=MLP, num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=CONTEXT,
-            rms_norm_eps=NORM_EPS, rope_theta=ROPE_THETA, tie_word_embeddings=True,
-            attention_bias=False, mlp_bias=False, attention_dropout=0.0, hidden_act="silu",
-            use_cache=False,
+            vocab_size=VOCAB, hidden_size=size.width, intermediate_size=size.mlp, num_hidden_layers=size.layers,
+            num_attention_heads=size.heads, num_key_value_heads=size.heads, max_position_embeddings=size.context,
+            rms_norm_eps=NORM_EPS, rope_theta=ROPE_THETA, tie_word_embeddings=True, attention_bias=False,
+            mlp_bias=False, attention_dropout=0.0, hidden_act="silu", use_cache=False,
         )
-        self.model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-        self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         self.optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
-        self.batches = torch_batches
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        self.model = torch.compile(model) if compile else model
+        self.batches = [torch.from_numpy(b.astype(np.int64)) for b in batches]
+        losses = self.run(self.batches[:loss_steps])  # the loss run, or the warm-up (compiles)
+        self.info = {"params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(),
+                     "torch": torch.__version__, "transformers": transformers.__version__}
+        if loss_steps > WARMUP:
+            self.info.update({"loss_last": round(statistics.fmean(losses[-LAST:]), 4),
+                              "loss_first": round(losses[0], 4)})
+        self.timed = self.batches[:window]
 
     def step(self, batch):
         torch = self.torch
@@ -163,137 +218,123 @@ class TorchSide(EagerLoop):
         self.optimizer.step()
         return loss.detach()
 
+    def run(self, batches) -> list[float]:
+        return [float(x) for x in [self.step(b) for b in batches]]  # losses read after the loop
 
-# --- the machine's matmul ceiling ---------------------------------------------------------------
+    def window(self):
+        start = time.perf_counter()
+        self.run(self.timed)
+        return time.perf_counter() - start, len(self.timed) * self.size.batch * self.size.context
+
+    def finish(self):
+        return {"matmul_gflops": matmul_gflops_torch()}
 
 
-def matmul_flops(size: int = 1024, calls: int = 20, repeats: int = 5) -> tuple[float, float]:
-    """Median float32 FLOP/s of a size^3 matmul: (jitted jnp.dot, torch.mm)."""
+def matmul_gflops_torch(n: int = 1024, calls: int = 20, repeats: int = 5) -> float:
     import torch
 
-    a = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
-    b = jax.random.normal(jax.random.key(2), (size, size), jnp.float32)
-    mm = jax.jit(jnp.dot)
-    mm(a, b).block_until_ready()
-    ta, tb = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(ta, tb)
-    jax_rates, torch_rates = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = mm(a, b)
-        out.block_until_ready()
-        jax_rates.append(2 * size**3 * calls / (time.perf_counter() - start))
-        with torch.inference_mode():
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    rates = []
+    with torch.inference_mode():
+        for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(calls):
-                torch.mm(ta, tb)
-            torch_rates.append(2 * size**3 * calls / (time.perf_counter() - start))
-    return statistics.median(jax_rates), statistics.median(torch_rates)
+                torch.mm(a, b)
+            rates.append(2 * n**3 * calls / (time.perf_counter() - start) / 1e9)
+    return round(statistics.median(rates), 1)
+
+
+def worker(config: dict) -> harness.Runner:
+    size = SIZES[config["size"]]
+    batches = np.load(Path(config["workdir"]) / f"batches_{config['size']}.npy")
+    if config["side"] == "dew":
+        return DewSide(size, batches, config["loss_steps"], config["window"])
+    import torch
+
+    if config["threads"] is not None:
+        torch.set_num_threads(config["threads"])
+    loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP
+    return TorchSide(size, batches, loss_steps, config["window"], config.get("compile", False))
+
+
+# --- the parent ---------------------------------------------------------------------------------
 
 
 def main() -> None:
+    if (config := harness.worker_config()) is not None:
+        harness.serve(config, worker)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="steps of the loss run (each side)")
-    parser.add_argument("--window", type=int, default=40, help="steps per timed window")
-    parser.add_argument("--repeats", type=int, default=5, help="timed windows per side")
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "large"])
+    parser.add_argument("--quick", action="store_true", help="a short sanity run (few steps and windows)")
+    parser.add_argument("--steps", type=int, help="steps of the loss run (default: the size's)")
+    parser.add_argument("--window", type=int, help="steps per timed window (default: the size's)")
+    parser.add_argument("--repeats", type=int, help="timed windows per side (default: the size's)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configuration")
+    parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew side")
+    parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the torch sides")
     parser.add_argument("--data", default=None,
                         help="a text file read as bytes (default: the shared tinyshakespeare when present, "
                              "else Python's help topics)")
     parser.add_argument("--synthetic", action="store_true", help="a generated byte corpus instead of --data")
     args = parser.parse_args()
-    if args.steps < LAST:
-        parser.error(f"--steps must be at least {LAST}")
-
-    import torch
-
-    threads = cores()
-    torch.set_num_threads(threads)
     corpus, corpus_name = load_corpus(args.data, args.synthetic)
-    batches = make_batches(corpus, max(args.steps, args.window))
-    torch_batches = [torch.from_numpy(b.astype(np.int64)) for b in batches]
+    for name in args.sizes:
+        run_size(name, SIZES[name], args, corpus, corpus_name)
 
-    trainer = dew_trainer()
-    peer = TorchSide(torch_batches)
 
-    # 1. loss run on the same batch sequence (Dew's compile happens here and is not timed below)
-    dew_fit(trainer, batches[: args.steps], args.steps)
-    dew_losses = [row["loss"] for row in trainer.history]
-    _, torch_losses = peer.run(args.steps)
-
-    # 2. interleaved timed windows, both warm; torch at the core count and at one thread (on a
-    # shared machine one thread can be faster), and the ratio is taken against the faster
-    timed = batches[: args.window]
-    peer.batches = torch_batches[: args.window]
-    thread_counts = sorted({threads, 1}, reverse=True)
-    dew_rates, torch_rates = [], {n: [] for n in thread_counts}
-    tokens = args.window * BATCH * CONTEXT
-    for _ in range(args.repeats):
-        for n in thread_counts:
-            torch.set_num_threads(n)
-            seconds, _ = peer.run(args.window)
-            torch_rates[n].append(tokens / seconds)
-        dew_rates.append(tokens / dew_fit(trainer, timed, args.window))
-    torch.set_num_threads(threads)
-    dew = statistics.median(dew_rates)
-    torch_by_threads = {n: statistics.median(r) for n, r in torch_rates.items()}
-    best_threads = max(torch_by_threads, key=torch_by_threads.get)
-    peer_rate = torch_by_threads[best_threads]
-
-    # 3. FLOPs, nanoGPT's estimate_mfu: 6N per token for the weights, 12 L H Q T for attention
-    params = sum(x.size for x in jax.tree_util.tree_leaves(trainer.init_state().variables["params"]))
-    torch_params = peer.num_params()
-    head_dim = WIDTH // HEADS
-    flops_per_token = 6 * params + 12 * LAYERS * HEADS * head_dim * CONTEXT
-    jax_mm, torch_mm = matmul_flops()
-    ceiling = max(jax_mm, torch_mm)
-
-    print(
-        json.dumps(
-            {
-                "benchmark": "lm_train",
-                "work": (
-                    f"Llama-style decoder {LAYERS}L x {HEADS}H x {WIDTH}, SwiGLU {MLP}, context {CONTEXT}, "
-                    f"batch {BATCH}, byte vocab {VOCAB}, tied; AdamW lr {LR} betas {list(BETAS)} "
-                    f"wd {WEIGHT_DECAY} on 2-D weights, no clipping; {corpus_name}"
-                ),
-                "corpus": f"{corpus_name}, {len(corpus)} bytes",
-                "params": {"dew": params, "torch": torch_params},
-                "dew_tokens_per_s": round(dew, 1),
-                "torch_tokens_per_s": round(peer_rate, 1),
-                "torch_tokens_per_s_by_threads": {str(n): round(r, 1) for n, r in torch_by_threads.items()},
-                "dew_over_torch": round(dew / peer_rate, 3),
-                "dew_over_torch_at_core_count": round(dew / torch_by_threads[threads], 3),
-                "goal": "dew_over_torch >= 1.2",
-                "timing": f"median of {args.repeats} interleaved windows of {args.window} steps, compile excluded",
-                "loss_steps": args.steps,
-                f"dew_loss_last{LAST}": round(statistics.fmean(dew_losses[-LAST:]), 4),
-                f"torch_loss_last{LAST}": round(statistics.fmean(torch_losses[-LAST:]), 4),
-                "dew_loss_first": round(dew_losses[0], 4),
-                "torch_loss_first": round(torch_losses[0], 4),
-                "flops_per_token": flops_per_token,
-                "flops_formula": (
-                    f"6*{params} + 12*L{LAYERS}*H{HEADS}*Q{head_dim}*T{CONTEXT} (nanoGPT estimate_mfu)"
-                ),
-                "matmul_gflops": {"jax_f32_1024": round(jax_mm / 1e9, 1), "torch_f32_1024": round(torch_mm / 1e9, 1)},
-                "dew_gflops": round(dew * flops_per_token / 1e9, 2),
-                "torch_gflops": round(peer_rate * flops_per_token / 1e9, 2),
-                "dew_fraction_of_matmul": round(dew * flops_per_token / ceiling, 3),
-                "torch_fraction_of_matmul": round(peer_rate * flops_per_token / ceiling, 3),
-                "threads": {
-                    "torch": best_threads, "torch_loss_run": threads,
-                    "jax_xla_cpu": f"default pool ({threads} cores)",
-                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-                },
-                "hardware": f"{jax.devices()[0].device_kind} x{jax.device_count()}, "
-                f"{platform.processor() or platform.machine()}, {threads} cores",
-                "load_average_1m": round(os.getloadavg()[0], 2),
-                "jax": jax.__version__,
-                "torch": torch.__version__,
-                "transformers": __import__("transformers").__version__,
-            }
-        )
-    )
+def run_size(name: str, size: Size, args, corpus: np.ndarray, corpus_name: str) -> None:
+    steps, window, repeats = size.quick if args.quick else (size.steps, size.window, size.repeats)
+    steps, window, repeats = args.steps or steps, args.window or window, args.repeats or repeats
+    if steps <= WARMUP:
+        sys.exit(f"lm_train: --steps must be more than {WARMUP}, got {steps}")
+    script = str(Path(__file__).resolve())
+    config = {"size": name, "loss_steps": steps, "window": window}
+    sides = [harness.side("dew", "dew", script, [], {**config, "side": "dew"}, python=args.dew_python)]
+    sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=not args.no_compile,
+                                 python=args.peer_python)
+    with tempfile.TemporaryDirectory(prefix="dew-lm-train-") as workdir:
+        np.save(Path(workdir) / f"batches_{name}.npy", make_batches(corpus, max(steps, window), size))
+        result = harness.compare(sides, repeats, workdir=workdir)
+    dew, best = result.dew, result.best_peer
+    torch_default = next(o for o in result.outcomes if o.name == "torch defaults")
+    torch_loss = next(o for o in result.outcomes if o.config.get("loss_run"))
+    params = dew.info["params"]
+    head_dim = size.width // size.heads
+    flops_per_token = 6 * params + 12 * size.layers * size.heads * head_dim * size.context
+    ceiling = max(dew.finished.get("matmul_gflops", 0), torch_default.finished.get("matmul_gflops", 0)) * 1e9
+    report = {
+        "benchmark": "lm_train",
+        "size": name,
+        "work": (
+            f"Llama-style decoder {size.layers}L x {size.heads}H x {size.width}, SwiGLU {size.mlp}, context "
+            f"{size.context}, batch {size.batch}, byte vocab {VOCAB}, tied; AdamW lr {LR} betas {list(BETAS)} "
+            f"wd {WEIGHT_DECAY} on 2-D weights, no clipping"
+        ),
+        "corpus": f"{corpus_name}, {len(corpus)} bytes",
+        "params": {"dew": params, "torch": torch_default.info.get("params")},
+        **result.report("tokens_per_s", 1),
+        "goal": "dew_over_best_peer >= 1.2",
+        "window_steps": window,
+        "loss_steps": steps,
+        f"dew_loss_last{min(LAST, steps)}": dew.info.get("loss_last"),
+        f"torch_loss_last{min(LAST, steps)}": torch_loss.info.get("loss_last"),
+        "dew_loss_first": dew.info.get("loss_first"),
+        "torch_loss_first": torch_loss.info.get("loss_first"),
+        "torch_loss_run_by": torch_loss.name,
+        "flops_per_token": flops_per_token,
+        "matmul_gflops": {"jax_f32_1024": dew.finished.get("matmul_gflops"),
+                          "torch_f32_1024": torch_default.finished.get("matmul_gflops")},
+        "dew_fraction_of_matmul": round(dew.rate * flops_per_token / ceiling, 3) if ceiling else None,
+        "best_peer_fraction_of_matmul": round(best.rate * flops_per_token / ceiling, 3) if ceiling else None,
+        "torch_default_threads": torch_default.info.get("threads"),
+        "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores",
+        "jax": dew.info.get("jax"),
+        "torch": torch_default.info.get("torch"),
+        "transformers": torch_default.info.get("transformers"),
+    }
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

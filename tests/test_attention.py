@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn.attention import cache_attention, dot_product_attention, resolve_attention_impl
+from dew.nn.attention import cache_attention, dot_product_attention, head_major_attention, resolve_attention_impl
 
 
 def _qkv(seed=0, batch=2, length=10, heads=4, kv_heads=2, head_dim=8, kv_length=None):
@@ -58,6 +58,28 @@ def test_reference_and_xla_kernels_agree_with_gqa(options):
     auto = dot_product_attention(q, k, v, impl="auto", **options)
     np.testing.assert_allclose(np.asarray(xla), np.asarray(reference), atol=2e-5)
     np.testing.assert_allclose(np.asarray(auto), np.asarray(reference), atol=2e-5)
+
+
+def test_cpu_head_major_kernel_matches_jax_attention_in_values_and_gradients():
+    q, k, v = _qkv(length=6, kv_length=9)  # 4 query heads over 2 key/value heads
+    rng = np.random.default_rng(3)
+    mask = rng.random((2, 4, 6, 9)) < 0.6  # a different mask per head
+    mask[..., 0] = True
+    cotangent = jnp.asarray(rng.normal(size=q.shape).astype(np.float32))
+
+    def loss(attention, m):
+        return lambda q, k, v: jnp.sum(attention(q, k, v, jnp.asarray(m)) * cotangent)
+
+    ours = lambda q, k, v, m: head_major_attention(q, k, v, m, scale=0.3)  # noqa: E731
+    jax_nn = lambda q, k, v, m: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, mask=m, scale=0.3, implementation="xla")
+    np.testing.assert_allclose(ours(q, k, v, jnp.asarray(mask)), jax_nn(q, k, v, jnp.asarray(mask)), atol=2e-6)
+    for got, want in zip(jax.grad(loss(ours, mask), argnums=(0, 1, 2))(q, k, v),
+                         jax.grad(loss(jax_nn, mask), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    # negative control: the heads' masks swapped between the two query heads of a key/value head
+    swapped = mask[:, [1, 0, 3, 2]]
+    assert np.abs(ours(q, k, v, jnp.asarray(swapped)) - jax_nn(q, k, v, jnp.asarray(mask))).max() > 1e-2
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla"])

@@ -125,7 +125,7 @@ class SelfAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries ``[B, L, heads * head_dim]``, keys and values ``[B, L, kv_heads * head_dim]``."""
+        """Queries ``[N, heads * head_dim]``, keys and values ``[N, kv_heads * head_dim]`` of rows ``[N, width]``."""
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         q = _dense(self.num_heads * self.head_dim, ("embed", "heads"), "q_proj", **dense)(x)
         k = _dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
@@ -133,7 +133,7 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def project_out(self, out: jax.Array, features: int) -> jax.Array:
-        """The attended heads ``[B, L, heads * head_dim]`` back to the model width `features`."""
+        """The attended heads, rows ``[N, heads * head_dim]``, back to the model width `features`."""
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
         return _dense(features, ("heads", "embed"), "o_proj", use_bias=self.use_bias, std=out_std,
                       dtype=self.dtype, param_dtype=self.param_dtype)(out)
@@ -142,7 +142,8 @@ class SelfAttention(nn.Module):
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
         batch, length, emb = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.project_qkv(x)
+        # 2-D rows into the products, as in the MLP: XLA's CPU backward then needs no transposes
+        q, k, v = self.project_qkv(x.reshape(batch * length, emb))
         q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
         q = q.reshape(batch, length, heads, head_dim)
         k = k.reshape(batch, length, kv_heads, head_dim)
@@ -176,8 +177,8 @@ class SelfAttention(nn.Module):
             )
             new_cache = (cache_k, cache_v)
 
-        out = self.project_out(out.reshape(batch, length, heads * head_dim), emb)
-        return out, new_cache
+        out = self.project_out(out.reshape(batch * length, heads * head_dim), emb)
+        return out.reshape(batch, length, emb), new_cache
 
 
 def _check_cache(cache: KVCache, batch: int, length: int) -> None:
@@ -455,12 +456,13 @@ class CausalTransformer(nn.Module):
             new_k, new_v = tuple(new_k), tuple(new_v)
 
         x = RMSNorm(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
+        rows = x.reshape(batch * length, self.emb_features)  # 2-D, as every product of the blocks
         if self.tie_embeddings:
-            logits = embed.attend(x)
+            logits = embed.attend(rows)
         else:
             logits = _dense(self.vocab_size, ("embed", "vocab"), "lm_head", dtype=self.dtype,
-                            param_dtype=self.param_dtype)(x)
-        logits = logits.astype(jnp.float32)
+                            param_dtype=self.param_dtype)(rows)
+        logits = logits.reshape(batch, length, self.vocab_size).astype(jnp.float32)
         if cache is None:
             return logits
         new_cache = KVCache(
