@@ -68,7 +68,8 @@ def test_an_lm_run_reloads_bitwise_with_its_tokenizer_sampling_and_budget(tmp_pa
     assert isinstance(task, TextGeneration) and task.max_new_tokens == 5 and task.n == 2
     assert task.sampling == Sampling(temperature=0.8)
     drawn, expected = task("ab", seed=3), direct("ab", seed=3)
-    same(drawn.tokens, expected.tokens)
+    same(drawn.host().tokens, expected.tokens)
+    assert len(drawn.tokens.sharding.device_set) == jax.device_count()  # data parallel by default
     assert drawn.rows == 2 and len(drawn.text) == 2 and drawn.text == expected.text
     # the EMA copy by default; the live weights differ
     live = dew.pipeline(tmp_path / "run", ema=False)
@@ -86,7 +87,7 @@ def test_a_run_without_ema_refuses_ema_true_and_serves_the_live_weights_on_reque
     with pytest.raises(ValueError, match="keeps no EMA copy"):
         objective.pipeline(state)
     task = dew.pipeline(tmp_path / "run", ema=False)
-    same(task([[1, 2]], 4, seed=0).tokens, objective.pipeline(state, ema=False)([[1, 2]], 4, seed=0).tokens)
+    same(task([[1, 2]], 4, seed=0).host().tokens, objective.pipeline(state, ema=False)([[1, 2]], 4, seed=0).host().tokens)
     with pytest.raises(ValueError, match="no checkpoint at step 7; its steps are \\[3\\]"):
         dew.pipeline(tmp_path / "run", step=7, ema=False)
     with pytest.raises(ValueError, match="Text prompts need a processor"):
@@ -95,7 +96,7 @@ def test_a_run_without_ema_refuses_ema_true_and_serves_the_live_weights_on_reque
     half = dew.pipeline(tmp_path / "run", ema=False, dtype="bfloat16", param_dtype="bfloat16")
     assert half.model.dtype == jnp.bfloat16 and model.dtype == jnp.float32
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(half.variables)} == {jnp.dtype(jnp.bfloat16)}
-    assert half([[1, 2]], 4, seed=0).tokens.shape == (1, 4)
+    assert half([[1, 2]], 4, seed=0).host().tokens.shape == (1, 4)
     bound = objective.pipeline(state, ema=False, processor=RunProcessor(_Letters()))
     assert bound("abc", 3, seed=0).text == [_Letters().decode(np.asarray(bound("abc", 3, seed=0).tokens[0]))]
 
@@ -128,7 +129,7 @@ def test_dpo_and_grpo_runs_publish_the_policy_never_the_reference(tmp_path, kind
     task = dew.pipeline(tmp_path / "run")
     assert set(task.variables) == {"params"}
     same(task.variables["params"], state.ema)
-    same(task([[1, 2, 3]], 4, seed=2).tokens, objective.pipeline(state)([[1, 2, 3]], 4, seed=2).tokens)
+    same(task([[1, 2, 3]], 4, seed=2).host().tokens, objective.pipeline(state)([[1, 2, 3]], 4, seed=2).host().tokens)
 
 
 def test_a_diffusion_run_reloads_bitwise_and_takes_guidance_as_a_scale(tmp_path):
@@ -156,7 +157,7 @@ def test_a_masked_diffusion_run_reloads_bitwise(tmp_path):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["objective"]["settings"]["process"]["fields"]["mask_id"] == 16
     task = dew.pipeline(tmp_path / "run")
     assert isinstance(task, MaskedGeneration)
-    same(task([[1, 2]], 5, seed=4, steps=3).tokens, objective.pipeline(state)([[1, 2]], 5, seed=4, steps=3).tokens)
+    same(task([[1, 2]], 5, seed=4, steps=3).host().tokens, objective.pipeline(state)([[1, 2]], 5, seed=4, steps=3).host().tokens)
 
 
 def test_a_jepa_run_says_it_has_no_generation_task(tmp_path):
@@ -265,14 +266,14 @@ def test_budget_and_continuations_default_from_generation_config_and_the_call_wi
     task = dew.pipeline(with_generation_config(tmp_path, max_new_tokens=5, num_return_sequences=3))
     assert task.max_new_tokens == 5 and task.n == 3
     drawn = task([[1, 2, 3]], seed=0)
-    assert drawn.tokens.shape == (3, 5) and drawn.rows == 3
+    assert drawn.host().tokens.shape == (3, 5) and drawn.rows == 3
     one = task([[1, 2, 3]], 2, seed=0, n=1)
-    assert one.tokens.shape == (1, 2)
-    same(one.tokens, drawn.tokens[:1, :2])  # continuation zero is the n=1 draw
+    assert one.host().tokens.shape == (1, 2)
+    same(one.host().tokens, drawn.host().tokens[:1, :2])  # continuation zero is the n=1 draw
 
     shutil.rmtree(tmp_path / "checkpoint")
     by_length = dew.pipeline(with_generation_config(tmp_path, max_length=12))
-    assert by_length([[1, 2, 3]], seed=0).tokens.shape == (1, 12 - 8)  # 3 prompt tokens pad to width 8
+    assert by_length([[1, 2, 3]], seed=0).host().tokens.shape == (1, 12 - 8)  # 3 prompt tokens pad to width 8
     with pytest.raises(ValueError, match="No continuation budget"):
         dew.pipeline(LLAMA)([[1, 2, 3]], seed=0)
     with pytest.raises(ValueError, match="more than the model's max_seq_len"):
@@ -298,7 +299,7 @@ def test_seed_and_key_are_exclusive_and_text_is_decoded_once():
             return super().decode(ids)
 
     task = TextGeneration(model, variables, sampling=Sampling(temperature=1.0), processor=Counting())
-    same(task("ab", 3, seed=5).tokens, task("ab", 3, key=jax.random.key(5)).tokens)
+    same(task("ab", 3, seed=5).host().tokens, task("ab", 3, key=jax.random.key(5)).host().tokens)
     for kwargs in ({}, {"seed": 1, "key": KEY}):
         with pytest.raises(ValueError, match="exactly one of seed= .* or key="):
             task("ab", 3, **kwargs)
@@ -324,5 +325,5 @@ def test_one_row_decodes_through_the_decode_layout_and_draws_what_generate_draws
     variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     task = TextGeneration(model, variables, sampling=Sampling(temperature=0.0))
     assert isinstance(task.weights.get(1)[0], DecodeTransformer) and task.weights.get(2)[0] is model
-    same(task([[1, 2, 3]], 6, seed=0).tokens, generate(model, variables, [[1, 2, 3]], 6, key=KEY,
+    same(task([[1, 2, 3]], 6, seed=0).host().tokens, generate(model, variables, [[1, 2, 3]], 6, key=KEY,
                                                        sampling=Sampling(temperature=0.0)).tokens)

@@ -4,7 +4,8 @@ A saved run (run.json beside its checkpoint steps) rebuilds its objective from t
 it for its task over one step's weights, exactly as `objective.pipeline(state)` does after
 training. A Hugging Face checkpoint directory, or a Hub repository id resolved through the local
 Hugging Face cache, loads through `dew.interop`. With `mesh=`, the weights are placed by the same
-logical-axis rules the Trainer uses, and results are sharded by row.
+logical-axis rules the Trainer uses (by default data parallelism over all devices), and results
+are sharded by row.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def pipeline(
 
     Args:
       source: a run directory, a Hugging Face checkpoint directory, or a Hub repository id.
-      mesh, layout: a MeshSpec and Layout to place the weights on (default: as loaded, on one device).
+      mesh, layout: a MeshSpec and Layout to place the weights on (default: MeshSpec(), data
+        parallelism over every device, with the weights replicated).
       dtype: the compute dtype. param_dtype: the storage dtype of the weights; None keeps a run's
         stored dtypes and loads a published checkpoint in float32, "auto" keeps the stored dtypes.
       ema: a run's moving-average weights (raises when the run keeps none); False for the live ones.
@@ -91,6 +93,7 @@ def _from_run(path: Path, *, step, ema, mesh, layout, dtype, param_dtype):
     if param_dtype not in (None, "auto"):
         state = state.replace(variables=_cast(state.variables, param_dtype), ema=_cast(state.ema, param_dtype))
     row_sharding = None
+    mesh = _default_mesh(mesh)
     if mesh is not None:
         state, row_sharding = _place_state(objective, state, mesh, layout)
     task = objective.pipeline(state, ema=ema)
@@ -122,8 +125,10 @@ def _cast(tree: Any, dtype: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def _place_state(objective: Any, state: Any, mesh_spec: Any, layout: Any):
-    """`state`'s weights placed as the Trainer places them, and the sharding of result rows."""
+def _placement(init: Any, mesh_spec: Any, layout: Any):
+    """How the Trainer would place the variables `init` makes: a function that places a variables
+    tree (or, with a "params/" prefix, a bare params tree) by logical axes, and the sharding of
+    result rows. Parameters without logical names are replicated."""
     import jax
     from flax import traverse_util
 
@@ -131,19 +136,37 @@ def _place_state(objective: Any, state: Any, mesh_spec: Any, layout: Any):
 
     layout = mesh_lib.Layout() if layout is None else layout
     mesh = mesh_spec.build()
-    boxed = jax.eval_shape(objective.init, jax.random.key(0), None)  # shapes and logical names, no FLOPs
+    boxed = jax.eval_shape(init)  # shapes and logical names, no FLOPs
     shardings = mesh_lib.tree_shardings(mesh_lib.unbox(boxed), mesh_lib.logical_names(boxed), layout, mesh)
     by_path = traverse_util.flatten_dict(shardings, sep="/")
     replicated = mesh_lib.replicated(mesh)
 
     def place(tree: Any, prefix: str = "") -> Any:
-        flat = traverse_util.flatten_dict(tree, sep="/")
+        flat = traverse_util.flatten_dict(dict(tree), sep="/")
         placed = {name: jax.device_put(value, by_path.get(prefix + name, replicated)) for name, value in flat.items()}
         return traverse_util.unflatten_dict(placed, sep="/")
 
-    variables = place(state.variables)
+    return place, mesh_lib.batch_sharding(mesh, 1)
+
+
+def _default_mesh(mesh: Any) -> Any:
+    """`mesh`, or data parallelism over every device of the process pool when there are several."""
+    import jax
+
+    from dew.training.mesh import MeshSpec
+
+    if mesh is None and jax.device_count() > 1:
+        return MeshSpec()
+    return mesh
+
+
+def _place_state(objective: Any, state: Any, mesh_spec: Any, layout: Any):
+    """`state`'s weights placed as the Trainer places them, and the sharding of result rows."""
+    import jax
+
+    place, rows = _placement(lambda: objective.init(jax.random.key(0), None), mesh_spec, layout)
     ema = None if state.ema is None else place(state.ema, "params/")
-    return state.replace(variables=variables, ema=ema), mesh_lib.batch_sharding(mesh, 1)
+    return state.replace(variables=place(state.variables), ema=ema), rows
 
 
 # --- published checkpoints ------------------------------------------------------------------------
@@ -166,14 +189,9 @@ def _from_published(directory: Path, *, step, mesh, layout, dtype, param_dtype):
         options["param_dtype"] = jnp.dtype(param_dtype)
     bundle = Pretrained.load(directory, **options)
     task = bundle.text_generation()
+    mesh = _default_mesh(mesh)
     if mesh is None:
         return task
-    from dew.training import mesh as mesh_lib
-
-    layout = mesh_lib.Layout() if layout is None else layout
-    built = mesh.build()
     model = bundle.model
-    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    shardings = mesh_lib.tree_shardings(mesh_lib.unbox(boxed), mesh_lib.logical_names(boxed), layout, built)
-    variables = jax.device_put(dict(bundle.variables), {"params": shardings["params"]})
-    return dataclasses.replace(task, variables=variables, row_sharding=mesh_lib.batch_sharding(built, 1))
+    place, rows = _placement(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)), mesh, layout)
+    return dataclasses.replace(task, variables=place(bundle.variables), row_sharding=rows)
