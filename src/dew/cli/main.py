@@ -6,7 +6,7 @@ import sys
 
 from tyro.conf import Positional
 
-from dew.cli import checkpoints, demo, tokenize  # each imports its heavy dependencies inside its function
+from dew.cli import checkpoints, demo, launch, tokenize  # each imports its heavy dependencies inside its function
 
 
 def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False, overwrite: bool = False) -> None:
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     try:
+        if args[:1] == ["launch"]:  # argparse: everything after -- is the command, passed through untouched
+            raise SystemExit(launch.main(args[1:]))
         tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, prog="dew")
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as error:
         if os.environ.get("DEW_TRACEBACK"):

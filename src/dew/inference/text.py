@@ -46,6 +46,8 @@ class TextGeneration:
       n: the default number of continuations per prompt.
       row_sharding: for weights placed on a mesh, the sharding of result rows; the prompts are
         padded with filler rows to a multiple of its row shards, and `result.host()` drops them.
+        On a mesh over several processes each process passes its own prompts and `host()` holds
+        its own rows.
 
     A single row on XLA:CPU decodes from the weights' decode layout (`dew.inference.decode_layout`),
     converted on first use and kept with the task; `bind` makes a task with its own.
@@ -91,14 +93,12 @@ class TextGeneration:
         rows = prompt_rows(encode_prompts(prompts, self.processor))
         budget = self.budget(rows, max_new_tokens)
         real = len(rows)
-        if self.row_sharding is not None:
-            shards = _row_shards(self.row_sharding)
-            rows = rows + [rows[0]] * (-real % shards)  # filler prompts, dropped by .host()
+        if self.row_sharding is not None:  # filler prompts so each process's rows split over its devices
+            shards = max(_row_shards(self.row_sharding) // jax.process_count(), 1)
+            rows = rows + [rows[0]] * (-real % shards)  # dropped by .host()
         model, variables = self.weights.get(len(rows) * n)
-        result = generate(model, variables, rows, budget, key=key,
+        result = generate(model, variables, rows, budget, key=key, row_sharding=self.row_sharding,
                           sampling=self.sampling if sampling is None else sampling, n=n)
-        if self.row_sharding is not None:
-            result = jax.device_put(result, self.row_sharding)
         return dataclasses.replace(result, processor=self.processor, real_rows=real * n)
 
     def budget(self, rows: list[np.ndarray], max_new_tokens: int | None = None) -> int:

@@ -100,7 +100,7 @@ class Generation:
     def host(self) -> "Generation":
         """This process's real rows as NumPy arrays on the host (filler rows dropped)."""
         rows = self.rows
-        return jax.tree_util.tree_map(lambda a: np.asarray(a)[:rows], self)
+        return jax.tree_util.tree_map(lambda a: local_rows(a)[:rows], self)
 
     @property
     def text(self) -> list[str]:
@@ -116,6 +116,17 @@ class Generation:
             cached = self.processor.decode(host.tokens, host.lengths, host.terminated)
             object.__setattr__(self, "_text", cached)
         return cached
+
+
+def local_rows(array: Any) -> np.ndarray:
+    """The rows of `array` that this process's devices hold, in order, as a NumPy array (all of
+    it for an array one process holds whole)."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return np.asarray(array)
+    blocks: dict[int, np.ndarray] = {}
+    for shard in array.addressable_shards:
+        blocks.setdefault(shard.index[0].start or 0, np.asarray(shard.data))  # replicas hold the same rows
+    return np.concatenate([blocks[start] for start in sorted(blocks)])
 
 
 # --- choosing a token ----------------------------------------------------------------------------
@@ -262,6 +273,7 @@ def generate(
     key: jax.Array,
     sampling: Sampling = Sampling(),
     n: int = 1,
+    row_sharding: Any = None,
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens, ``n`` times per prompt.
 
@@ -275,6 +287,9 @@ def generate(
       sampling: how to choose tokens.
       n: continuations per prompt; rows are ordered prompt-major (prompt i, continuation j at
         row ``i * n + j``).
+      row_sharding: a sharding of axis 0 over a mesh to split the rows by; when the mesh spans
+        several processes, `prompts` are this process's own (every process passes as many), the
+        global batch is theirs in process order, and each global row's key comes from `key`.
     """
     from dew.nn.backbones.causal_transformer import check_tokens  # nn is the layer below
 
@@ -289,6 +304,17 @@ def generate(
             raise ValueError(f"prompt {i}: {error}") from None
     lengths = np.array([row.size for row in rows], np.int32)
     longest = int(lengths.max())
+    pooled = row_sharding is not None and jax.process_count() > 1
+    if pooled:  # the processes agree on the padded width; their prompt counts must match
+        from jax.experimental import multihost_utils
+
+        shapes = np.asarray(multihost_utils.process_allgather(np.array([len(rows), longest], np.int32)))
+        if len(set(shapes[:, 0].tolist())) != 1:
+            raise ValueError(
+                f"Every process must pass the same number of prompts; the processes passed "
+                f"{shapes[:, 0].tolist()} (in process order). Pad with repeated prompts and drop their rows."
+            )
+        longest = int(shapes[:, 1].max())
     if longest + max_new_tokens > model.max_seq_len:
         raise ValueError(
             f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} is "
@@ -302,7 +328,16 @@ def generate(
     tokens = np.zeros((len(rows), padded_len), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : row.size] = row
-    return _generate_jit(
-        variables, jnp.asarray(tokens), jnp.asarray(lengths), key,
+    if row_sharding is None:
+        tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    else:
+        processes = jax.process_count() if pooled else 1
+        tokens, lengths = (
+            jax.make_array_from_process_local_data(row_sharding, a, (a.shape[0] * processes,) + a.shape[1:])
+            for a in (tokens, lengths)
+        )
+    result = _generate_jit(
+        variables, tokens, lengths, key,
         model=model, sampling=sampling, max_new_tokens=max_new_tokens, n=n, cache_len=cache_len,
     )
+    return result if row_sharding is None else jax.device_put(result, row_sharding)
