@@ -29,6 +29,7 @@ from dew.training.checkpoints import CheckpointCorrupted, Checkpoints, Checkpoin
 from dew.training.mesh import Layout, MeshSpec
 from dew.training.progress import ProgressReport
 from dew.training.state import TrainState
+from dew.tracking.base import Trackers
 from dew.tracking.records import CheckpointRejected, CheckpointSaved, Failure, Progress, RunStarted
 
 
@@ -78,6 +79,8 @@ class Trainer:
         self.accumulation = accumulation
         self.checkpoints = checkpoints
         self.tracker = tracker
+        # Every report goes through Trackers, which keeps a failing backend from stopping the run.
+        self._reports = tracker if tracker is None or isinstance(tracker, Trackers) else Trackers(tracker)
         self.rollout = rollout
         self.history: list[dict[str, float]] = []
         self.evaluations: list[EvaluationResult] = []
@@ -557,14 +560,14 @@ class Trainer:
         if result.scores:
             progress.message(f"step {step} eval " + " ".join(f"{k} {v:.4g}" for k, v in result.scores.items()))
             self._log(result.scalars, step=step)
-        if self.tracker is not None:
+        if self._reports is not None:
             for artifact in result.previews:
-                self.tracker.artifact(artifact, step=step)
+                self._reports.artifact(artifact, step=step)
         return result
 
     def _log(self, data, step=None) -> None:
-        if self.tracker is not None:
-            self.tracker.log(data, step=step)
+        if self._reports is not None:
+            self._reports.log(data, step=step)
 
     def _config(self, dataset: Dataset) -> dict[str, Any]:
         return {
