@@ -36,6 +36,8 @@ _EXPORTS = {
     "TensorBoardTracker": "dew.tracking.tensorboard",
     "WandbTracker": "dew.tracking.wandb",
     "MLflowTracker": "dew.tracking.mlflow",
+    "Profiler": "dew.telemetry.profile",
+    "ProfileWindow": "dew.telemetry.profile",
     "pipeline": "dew.inference.pipeline",
     "sample": "dew.sampling.sample",
 }
@@ -61,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only
     from dew.tracking.mlflow import MLflowTracker
     from dew.tracking.tensorboard import TensorBoardTracker
     from dew.tracking.wandb import WandbTracker
+    from dew.telemetry.profile import Profiler, ProfileWindow
     from dew.training.checkpoints import Checkpoints
     from dew.training.mesh import Layout, MeshSpec
     from dew.training.state import TrainState
