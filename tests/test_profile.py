@@ -160,3 +160,20 @@ def test_hlo_protos_are_read_from_the_metadata_plane():
     xspace = _field(1, device_plane) + _field(1, metadata_plane) + _field(4, b"host")
     assert hlo_protos(xspace) == {"jit_step(3)": b"\x0a\x03HLO"}
     assert hlo_protos(_field(1, device_plane)) == {}
+
+
+def test_a_run_that_stops_inside_the_window_ends_its_trace(tmp_path):
+    from dew.telemetry.profile import running_capture
+    from test_trainer import Exploding
+
+    window = ProfileWindow(tmp_path / "window", steps=4, warmup=3)  # steps 4..7; step 5 goes NaN
+    trainer = Trainer(Exploding(), optax.sgd(0.1), key=jax.random.key(0), profile=window)
+    with pytest.raises(FloatingPointError, match="step 5"):
+        trainer.fit(linear_data(), steps=10, log_every=100)
+    assert running_capture() is None
+    (capture,) = (tmp_path / "window").iterdir()
+    manifest = json.loads((capture / "manifest.json").read_text())
+    assert manifest["steps"] == {"first": 4, "stopped_early": True}
+    after = Profiler(tmp_path / "after")  # a new capture can start: the window's trace ended
+    after.start()
+    assert after.stop().exists()
