@@ -261,3 +261,21 @@ def test_wandb_offline_holds_scalars_at_their_steps_artifacts_and_the_run_config
 
     (image,) = [f for f in files if "grid_6_" in f]
     np.testing.assert_array_equal(np.asarray(Image.open(image)), IMAGE)
+
+
+@pytest.mark.parametrize(
+    "make, module, extra",
+    [
+        (lambda tmp: __import__("dew").TensorBoardTracker(tmp), "tensorboardX", "tensorboard"),
+        (lambda tmp: __import__("dew").WandbTracker("p", directory=tmp), "wandb", "wandb"),
+        (lambda tmp: __import__("dew").MLflowTracker("e", uri=f"sqlite:///{tmp}/m.db"), "mlflow", "mlflow"),
+    ],
+)
+def test_a_missing_backend_names_the_extra_to_install(tmp_path, monkeypatch, make, module, extra):
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    if module == "mlflow":
+        monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    with pytest.raises(ImportError, match=rf"pip install 'dewml\[{extra}\]'"):
+        make(tmp_path)

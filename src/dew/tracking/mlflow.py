@@ -39,7 +39,7 @@ class MLflowTracker(Tracker):
     ):
         try:
             from mlflow.tracking import MlflowClient
-        except ImportError as error:  # pragma: no cover - depends on the environment
+        except ImportError as error:
             raise ImportError("MLflowTracker needs mlflow: pip install 'dewml[mlflow]'.") from error
         if not isinstance(experiment, str) or not experiment:
             raise ValueError(f"MLflowTracker needs an experiment name; got {experiment!r}.")
@@ -67,8 +67,7 @@ class MLflowTracker(Tracker):
             if isinstance(data, RunStarted):
                 self._client.log_dict(self.run_id, data.config, "run/config.json")
                 if not self._has_params:  # MLflow parameters cannot change once set
-                    for name, value in _flatten(data.config).items():
-                        self._client.log_param(self.run_id, name, value)
+                    self._params(_flatten(data.config))
                     self._has_params = True
             elif isinstance(data, Failure):
                 self._failed = True
@@ -92,6 +91,13 @@ class MLflowTracker(Tracker):
         if not self._closed:
             self._client.set_terminated(self.run_id, status="FAILED" if self._failed else "FINISHED")
             self._closed = True
+
+    def _params(self, values: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(name, value) for name, value in values.items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
+            self._client.log_batch(self.run_id, params=params[start : start + 100])
 
     def _metrics(self, values: dict[str, float], step: int | None) -> None:
         if not values:

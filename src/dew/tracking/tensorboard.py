@@ -22,7 +22,7 @@ class TensorBoardTracker(Tracker):
     def __init__(self, directory: str | os.PathLike, flush_seconds: float = 10.0):
         try:
             from tensorboardX import SummaryWriter
-        except ImportError as error:  # pragma: no cover - depends on the environment
+        except ImportError as error:
             raise ImportError(
                 "TensorBoardTracker needs tensorboardX: pip install 'dewml[tensorboard]'."
             ) from error

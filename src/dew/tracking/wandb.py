@@ -38,7 +38,7 @@ class WandbTracker(Tracker):
     ):
         try:
             import wandb
-        except ImportError as error:  # pragma: no cover - depends on the environment
+        except ImportError as error:
             raise ImportError("WandbTracker needs wandb: pip install 'dewml[wandb]'.") from error
         if not isinstance(project, str) or not project:
             raise ValueError(f"WandbTracker needs a project name; got {project!r}.")
