@@ -61,6 +61,9 @@ def test_a_profiler_around_a_fit_captures_the_train_step_with_its_manifest(tmp_p
         "missing": "the cpu backend does not report peak_bytes_in_use"
     }
     assert manifest["view_command"] == f"xprof --logdir={capture}"
+    # The step was compiled inside the capture, so its StableHLO is there.
+    (step_hlo,) = [name for name in manifest["hlo"] if "jit__train_step" in name]
+    assert "stablehlo" in (capture / step_hlo).read_text() and jax.config.values["jax_dump_ir_to"] == ""
 
     # start/stop makes a second capture beside the first, which is kept.
     profiler.start()

@@ -1,7 +1,8 @@
 """Profiler captures over `jax.profiler`: one new directory per capture, with its manifest.
 
 A capture keeps the native XPlane trace (and the Chrome trace JAX writes beside it), the HLO that
-exists for it, XProf's reports when XProf is installed (the `profile` extra), and `manifest.json`:
+exists for it (the StableHLO of programs compiled during the capture, the HloProtos GPU and TPU
+traces carry, and texts a caller adds), XProf's reports when XProf is installed (the `profile` extra), and `manifest.json`:
 backend, package versions, capture options, which reports are available (and why the others are
 not), device counters (a counter the backend lacks is recorded as missing, never as zero) and
 the command that opens the capture. JAX's Python tracer is off unless `options` turns it on: it
@@ -127,6 +128,7 @@ class Profiler:
         self._capture: Path | None = None
         self._started = 0.0
         self._hlo: dict[str, str] = {}
+        self._dumping = False
 
     @property
     def active(self) -> bool:
@@ -148,6 +150,11 @@ class Profiler:
         self.directory.mkdir(parents=True, exist_ok=True)
         capture = _new_capture_directory(self.directory)
         jax.profiler.start_trace(str(capture), profiler_options=self.options)
+        # Programs compiled during the capture leave their StableHLO in it (unless the user
+        # already sends JAX's IR dumps elsewhere).
+        self._dumping = not jax.config.values["jax_dump_ir_to"]
+        if self._dumping:
+            jax.config.update("jax_dump_ir_to", str(capture / "hlo" / "stablehlo"))
         self._capture, self._started, self._hlo = capture, time.time(), {}
         _active = self
         return capture
@@ -171,6 +178,8 @@ class Profiler:
             jax.block_until_ready(jax.live_arrays())  # the traced work finishes inside the trace
         finally:
             jax.profiler.stop_trace()
+            if self._dumping:
+                jax.config.update("jax_dump_ir_to", "")
         stopped = time.time()
         traces = sorted(capture.glob("plugins/profile/*/*.xplane.pb"))
         hlo = _write_hlo(capture, traces, self._hlo)
@@ -261,15 +270,15 @@ def _counters() -> dict[str, Any]:
 
 def _write_hlo(capture: Path, traces: list[Path], given: Mapping[str, str]) -> list[str]:
     """Write the HLO protos the traces carry (GPU and TPU record them; XLA:CPU does not) and the
-    HLO texts handed to `add_hlo`; return the files, relative to the capture."""
+    HLO texts handed to `add_hlo`; return every HLO file of the capture (with the StableHLO of
+    programs compiled during it), relative to the capture."""
     folder = capture / "hlo"
-    written = []
     for name, text in given.items():
-        written.append(write_atomic(folder / f"{_safe(name)}.txt", text))
+        write_atomic(folder / f"{_safe(name)}.txt", text)
     for trace in traces:
         for name, proto in hlo_protos(trace.read_bytes()).items():
-            written.append(write_atomic(folder / f"{_safe(name)}.hlo_proto.pb", proto))
-    return sorted(str(p.relative_to(capture)) for p in written)
+            write_atomic(folder / f"{_safe(name)}.hlo_proto.pb", proto)
+    return sorted(str(p.relative_to(capture)) for p in folder.rglob("*") if p.is_file())
 
 
 def _write_reports(capture: Path, traces: list[Path]) -> dict[str, dict[str, Any]]:
