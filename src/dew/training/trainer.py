@@ -498,9 +498,7 @@ class Trainer:
                     position = iterator.get_state()  # after this step's batch, before the next
                 placed = self.place(batch)
                 if self.profile is not None and step == self.profile.first_step(start):
-                    jax.block_until_ready(state)  # the steps before the window stay out of it
-                    profiler = Profiler(self.profile.directory, self.profile.options)
-                    profiler.start()
+                    profiler = self._start_profile(step_fn, state, placed)
                 if profiler is not None:
                     with jax.profiler.StepTraceAnnotation("train", step_num=step):
                         state, step_metrics = step_fn(state, placed)
@@ -509,7 +507,7 @@ class Trainer:
                 drain()  # the previous step's metrics: one step late, so the device stays busy
                 pending = (step, step_metrics)
                 if profiler is not None and step == self.profile.last_step(start):
-                    self._finish_profile(profiler, step_fn, state, placed, start)
+                    self._finish_profile(profiler, start)
                     profiler = None
 
                 if saving:
@@ -533,13 +531,23 @@ class Trainer:
             progress.close()
         return state
 
-    def _finish_profile(self, profiler: Profiler, step_fn, state, placed, start: int) -> None:
-        """Close the window's capture with the step's compiled HLO, and report it."""
+    def _start_profile(self, step_fn, state: TrainState, placed) -> Profiler:
+        """Open the window's capture once the device is idle (so no earlier step leaks into it),
+        keeping the compiled step's HLO in it (from the compilation cache: no recompile)."""
+        hlo = step_fn.lower(state, placed).compile().as_text()
         jax.block_until_ready(state)
-        profiler.add_hlo("train_step", step_fn.lower(state, placed).compile().as_text())
+        profiler = Profiler(self.profile.directory, self.profile.options)
+        profiler.start()
+        profiler.add_hlo("train_step", hlo)
+        return profiler
+
+    def _finish_profile(self, profiler: Profiler, start: int) -> None:
+        """Close the window's capture (stop waits for the device) and report it."""
         first, last = self.profile.first_step(start), self.profile.last_step(start)
         capture = profiler.stop(steps={"first": first, "last": last})
-        self._log(ProfileCaptured(directory=str(capture), first_step=first, last_step=last, manifest=profiler.manifest))
+        self._log(
+            ProfileCaptured(directory=str(capture), first_step=first, last_step=last, manifest=profiler.manifest)
+        )
 
     @contextlib.contextmanager
     def _stopping_on_save_failure(self):
