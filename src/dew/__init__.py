@@ -33,6 +33,11 @@ _EXPORTS = {
     "Evaluation": "dew.eval.evaluation",
     "LocalTracker": "dew.tracking.local",
     "Trackers": "dew.tracking.base",
+    "TensorBoardTracker": "dew.tracking.tensorboard",
+    "WandbTracker": "dew.tracking.wandb",
+    "MLflowTracker": "dew.tracking.mlflow",
+    "Profiler": "dew.telemetry.profile",
+    "ProfileWindow": "dew.telemetry.profile",
     "pipeline": "dew.inference.pipeline",
     "sample": "dew.sampling.sample",
 }
@@ -55,6 +60,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only
     from dew.objectives.base import Aux, Field, InputSpec, Objective, Step
     from dew.tracking.base import Trackers
     from dew.tracking.local import LocalTracker
+    from dew.tracking.mlflow import MLflowTracker
+    from dew.tracking.tensorboard import TensorBoardTracker
+    from dew.tracking.wandb import WandbTracker
+    from dew.telemetry.profile import Profiler, ProfileWindow
     from dew.training.checkpoints import Checkpoints
     from dew.training.mesh import Layout, MeshSpec
     from dew.training.state import TrainState

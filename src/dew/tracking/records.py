@@ -64,6 +64,56 @@ class Artifact:
             raise ValueError(f"Artifact kind must be 'text' or 'image'; got {self.kind!r}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class ProfileCaptured:
+    """A profiler trace of training steps `first_step..last_step` (inclusive) was written to
+    `directory`; `manifest` is the capture's manifest (backend, versions, reports)."""
+
+    directory: str
+    first_step: int
+    last_step: int
+    manifest: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepTrial:
+    """One trial of a sweep ended: its index, the overrides it ran with, "finished" or "failed",
+    the value it scored (None when it failed) and, for a failure, the error message."""
+
+    index: int
+    params: dict[str, Any]
+    status: str
+    metric: float | None
+    message: str | None = None
+
+    def __post_init__(self):
+        if self.status not in ("finished", "failed"):
+            raise ValueError(f"SweepTrial status must be 'finished' or 'failed'; got {self.status!r}.")
+
+
 def as_dict(record: Any) -> dict[str, Any]:
     """A record as a JSON-ready dict with its type name under "record"."""
     return {"record": type(record).__name__, **dataclasses.asdict(record)}
+
+
+def step_of(record: Any, step: int | None = None) -> int | None:
+    """The training step a record belongs to: its own step, where it has one, else `step`."""
+    if isinstance(record, RunStarted):
+        return record.start_step
+    if isinstance(record, SweepTrial):
+        return record.index
+    if isinstance(record, ProfileCaptured):
+        return record.last_step
+    own = getattr(record, "step", None)
+    return int(own) if isinstance(own, (int, float)) and not isinstance(own, bool) else step
+
+
+def scalars_of(record: Any) -> dict[str, float]:
+    """The numbers in a record that a backend plots as scalars at `step_of(record)`."""
+    if isinstance(record, Progress):
+        return {"progress/steps_per_second": record.steps_per_second, "progress/eta_seconds": record.eta_seconds}
+    if isinstance(record, SweepTrial) and record.metric is not None:
+        return {"sweep/metric": float(record.metric)}
+    if isinstance(record, CheckpointSaved):
+        return {"checkpoint/step": float(record.step)}
+    return {}

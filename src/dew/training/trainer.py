@@ -29,7 +29,16 @@ from dew.training.checkpoints import CheckpointCorrupted, Checkpoints, Checkpoin
 from dew.training.mesh import Layout, MeshSpec
 from dew.training.progress import ProgressReport
 from dew.training.state import TrainState
-from dew.tracking.records import CheckpointRejected, CheckpointSaved, Failure, Progress, RunStarted
+from dew.telemetry.profile import Profiler, ProfileWindow, running_capture
+from dew.tracking.base import Trackers
+from dew.tracking.records import (
+    CheckpointRejected,
+    CheckpointSaved,
+    Failure,
+    ProfileCaptured,
+    Progress,
+    RunStarted,
+)
 
 
 class Trainer:
@@ -40,6 +49,8 @@ class Trainer:
     `accumulation` splits each global batch into that many microbatches whose gradients are
     averaged before one update. `rollout(variables, batch, key) -> batch` (online RL) turns each
     batch of prompts into a training batch sampled from the current weights before the step.
+    `profile=ProfileWindow(directory, steps=, warmup=)` traces that window of each fit into a new
+    capture and reports it to the tracker as a `ProfileCaptured` record.
     """
 
     def __init__(
@@ -54,6 +65,7 @@ class Trainer:
         checkpoints: Checkpoints | None = None,
         tracker: Any = None,
         rollout: Any = None,
+        profile: ProfileWindow | None = None,
     ):
         if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
             raise TypeError(
@@ -67,6 +79,10 @@ class Trainer:
                 "rollout must be callable as rollout(variables, batch, key) -> batch "
                 f"(e.g. dew.objectives.rl.SampledRollout); got {type(rollout).__name__}."
             )
+        if profile is not None and not isinstance(profile, ProfileWindow):
+            raise TypeError(
+                f"profile must be a dew.ProfileWindow(directory, steps=, warmup=); got {type(profile).__name__}."
+            )
         if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
             raise TypeError(f"checkpoints must be a dew.Checkpoints; got {type(checkpoints).__name__}.")
         self.objective = objective
@@ -78,7 +94,10 @@ class Trainer:
         self.accumulation = accumulation
         self.checkpoints = checkpoints
         self.tracker = tracker
+        # Every report goes through Trackers, which keeps a failing backend from stopping the run.
+        self._reports = tracker if tracker is None or isinstance(tracker, Trackers) else Trackers(tracker)
         self.rollout = rollout
+        self.profile = profile
         self.history: list[dict[str, float]] = []
         self.evaluations: list[EvaluationResult] = []
         self._shardings: TrainState | None = None
@@ -411,6 +430,13 @@ class Trainer:
                 f"fit(steps={steps}) is below the restored step {start} "
                 f"(in {self.checkpoints.directory}). steps is the absolute target: pass steps >= {start}."
             )
+        if self.profile is not None and steps > start:
+            self.profile.check_fits(start, steps)
+            if running_capture() is not None:
+                raise RuntimeError(
+                    "This Trainer traces a ProfileWindow, but a dew.Profiler capture is already "
+                    "running around fit. Use the window or the outer Profiler, not both."
+                )
         self._log(RunStarted(config=self._config(dataset), start_step=start, target_step=steps))
         if steps == start:
             return state
@@ -442,6 +468,7 @@ class Trainer:
         progress = ProgressReport(start, steps)
         window: list[dict[str, float]] = []
         pending: tuple[int, Any] | None = None
+        profiler: Profiler | None = None
 
         def drain() -> None:
             """Host-side work for the step in flight: fetch, record and check its metrics."""
@@ -469,9 +496,19 @@ class Trainer:
                 saving = checkpoint_every is not None and (step % checkpoint_every == 0 or step == steps)
                 if saving:
                     position = iterator.get_state()  # after this step's batch, before the next
-                state, step_metrics = step_fn(state, self.place(batch))
+                placed = self.place(batch)
+                if self.profile is not None and step == self.profile.first_step(start):
+                    profiler = self._start_profile(step_fn, state, placed)
+                if profiler is not None:
+                    with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                        state, step_metrics = step_fn(state, placed)
+                else:
+                    state, step_metrics = step_fn(state, placed)
                 drain()  # the previous step's metrics: one step late, so the device stays busy
                 pending = (step, step_metrics)
+                if profiler is not None and step == self.profile.last_step(start):
+                    self._finish_profile(profiler, start)
+                    profiler = None
 
                 if saving:
                     drain()  # never save a state whose loss is not finite
@@ -489,8 +526,28 @@ class Trainer:
                 with self._stopping_on_save_failure():
                     self.checkpoints.wait()  # fit returns with its last checkpoint on disk
         finally:
+            if profiler is not None:  # the run stopped inside the window: end the trace
+                profiler.stop(steps={"first": self.profile.first_step(start), "stopped_early": True})
             progress.close()
         return state
+
+    def _start_profile(self, step_fn, state: TrainState, placed) -> Profiler:
+        """Open the window's capture once the device is idle (so no earlier step leaks into it),
+        keeping the compiled step's HLO in it (from the compilation cache: no recompile)."""
+        hlo = step_fn.lower(state, placed).compile().as_text()
+        jax.block_until_ready(state)
+        profiler = Profiler(self.profile.directory, self.profile.options)
+        profiler.start()
+        profiler.add_hlo("train_step", hlo)
+        return profiler
+
+    def _finish_profile(self, profiler: Profiler, start: int) -> None:
+        """Close the window's capture (stop waits for the device) and report it."""
+        first, last = self.profile.first_step(start), self.profile.last_step(start)
+        capture = profiler.stop(steps={"first": first, "last": last})
+        self._log(
+            ProfileCaptured(directory=str(capture), first_step=first, last_step=last, manifest=profiler.manifest)
+        )
 
     @contextlib.contextmanager
     def _stopping_on_save_failure(self):
@@ -557,14 +614,14 @@ class Trainer:
         if result.scores:
             progress.message(f"step {step} eval " + " ".join(f"{k} {v:.4g}" for k, v in result.scores.items()))
             self._log(result.scalars, step=step)
-        if self.tracker is not None:
+        if self._reports is not None:
             for artifact in result.previews:
-                self.tracker.artifact(artifact, step=step)
+                self._reports.artifact(artifact, step=step)
         return result
 
     def _log(self, data, step=None) -> None:
-        if self.tracker is not None:
-            self.tracker.log(data, step=step)
+        if self._reports is not None:
+            self._reports.log(data, step=step)
 
     def _config(self, dataset: Dataset) -> dict[str, Any]:
         return {

@@ -1,0 +1,1 @@
+"""Measuring runs: profiler captures (`dew.telemetry.profile`)."""
