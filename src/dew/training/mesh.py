@@ -95,20 +95,48 @@ class MeshSpec:
         return Mesh(grid, AXES)
 
 
+HOST_PARTS = ("opt_state", "ema")  # the TrainState fields Layout(host=...) may keep in host memory
+HOST_MEMORY = "pinned_host"
+
+
+def in_memory(tree: Any, kind: str) -> Any:
+    """Every sharding of `tree` moved to the memory `kind` ("device" or "pinned_host")."""
+    return jax.tree_util.tree_map(lambda sharding: sharding.with_memory_kind(kind), tree)
+
+
+def check_host_memory(devices: Sequence[jax.Device]) -> None:
+    """Raise unless every device can address pinned host memory (what Layout(host=...) needs)."""
+    for device in devices:
+        kinds = {memory.kind for memory in device.addressable_memories()}
+        if HOST_MEMORY not in kinds:
+            raise ValueError(
+                f"Layout(host=...) keeps state in {HOST_MEMORY!r} memory, but {device.platform} device "
+                f"{device.id} addresses only {sorted(kinds)}. Leave host=() on this backend."
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Rules from logical axis names to mesh axes, and the smallest leaf worth sharding.
 
     `rules` is a sequence of `(logical name, mesh axis | tuple of mesh axes | None)`. A parameter
     with fewer than `min_shard` elements stays replicated. Parameters without logical names are
-    sharded over `fsdp` on their largest dimension that divides evenly.
+    sharded over `fsdp` on their largest dimension that divides evenly. `host` names parts of the
+    training state ("opt_state", "ema") kept in pinned host memory between steps: the step moves
+    them to the device, uses them and writes them back, trading transfers for device memory.
     """
 
     rules: Sequence[tuple[str, Any]] = DEFAULT_RULES
     min_shard: int = 2**10
+    host: Sequence[str] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple((str(k), v) for k, v in self.rules))
+        host = (self.host,) if isinstance(self.host, str) else tuple(self.host)
+        unknown = [part for part in host if part not in HOST_PARTS]
+        if unknown:
+            raise ValueError(f"Layout(host=...) names {unknown}; the parts that can live in host memory are {HOST_PARTS}.")
+        object.__setattr__(self, "host", host)
         for logical, target in self.rules:
             for axis in _as_tuple(target):
                 if axis not in AXES:

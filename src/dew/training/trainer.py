@@ -164,6 +164,12 @@ class Trainer:
             ema=param_shardings if keeps_ema else None,
             key=replicated,
         )
+        if self.layout.host:  # the parts Layout(host=...) names live in pinned host memory between steps
+            mesh_lib.check_host_memory(self.mesh.devices.flat)
+            shardings = shardings.replace(**{
+                part: mesh_lib.in_memory(getattr(shardings, part), mesh_lib.HOST_MEMORY)
+                for part in self.layout.host if getattr(shardings, part) is not None
+            })
         self._abstract, self._shardings = abstract, shardings
         return abstract, shardings
 
@@ -284,7 +290,19 @@ class Trainer:
         aux = Aux(metrics=jax.tree_util.tree_map(lambda m: m * scale, metric_sum), variables=changed)
         return loss_sum * scale, aux, grads
 
+    def _in_memory(self, state: TrainState, kind: str) -> TrainState:
+        """`state` with the parts Layout(host=...) names moved to memory `kind` (inside the step)."""
+        moved = {}
+        for part in self.layout.host:
+            tree, shardings = getattr(state, part), getattr(self._shardings, part)
+            if tree is not None:
+                moved[part] = jax.tree_util.tree_map(
+                    lambda x, sharding: jax.device_put(x, sharding.with_memory_kind(kind)), tree, shardings
+                )
+        return state.replace(**moved) if moved else state
+
     def _train_step(self, state: TrainState, batch):
+        state = self._in_memory(state, "device")
         step_root = jax.random.split(state.key)[1]
         step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
         loss, aux, grads = self._gradients(state, batch, step)
@@ -317,7 +335,7 @@ class Trainer:
             opt_state=opt_state,
             ema=ema,
         )
-        return new_state, metrics
+        return self._in_memory(new_state, mesh_lib.HOST_MEMORY), metrics
 
     def compiled_step(self):
         """The jitted step, with donated state and explicit shardings."""

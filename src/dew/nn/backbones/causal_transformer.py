@@ -34,7 +34,7 @@ from dew.nn.backbones.layer_plan import LayerKind, resolve_layer_plan
 from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv, write_positions
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 
-REMAT_POLICIES = ("full", "minimal", "save_qkv_proj")
+REMAT_POLICIES = ("full", "minimal", "save_qkv_proj", "minimal_offloaded", "save_qkv_proj_offloaded")
 INIT_STD = 0.02  # N(0, 0.02) for every weight, as in GPT-2 / Llama's initializer_range
 
 
@@ -68,6 +68,12 @@ def remat_policy(name: str | None):
         "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
         "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
         "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
+        # the same residuals, kept in pinned host memory until the backward pass reads them
+        "minimal_offloaded": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+        "save_qkv_proj_offloaded": jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=("q_proj", "k_proj", "v_proj"),
+            offload_src="device", offload_dst="pinned_host",
+        ),
     }
     if name not in policies:
         raise ValueError(f"remat={name!r} is not a known policy; use None or one of {REMAT_POLICIES}")
@@ -299,7 +305,8 @@ class CausalTransformer(nn.Module):
       layer_types, kinds: per-layer attention pattern (see layer_plan.py).
       attention_impl: "auto", "reference", "xla" or "cudnn"; never changes the parameters.
       scan_layers: run the layers with nn.scan (params stacked under ``layers/``).
-      remat: None, "full", "minimal" or "save_qkv_proj".
+      remat: None, "full", "minimal" or "save_qkv_proj"; "minimal_offloaded" and
+        "save_qkv_proj_offloaded" keep the same residuals in pinned host memory.
     """
 
     block_class: ClassVar[type[DecoderBlock]] = DecoderBlock
