@@ -119,6 +119,27 @@ class TrainerConfig:
     keep: int | None = 2
     seed: int = 0
     accumulation: int = 1
+    xla_flags: tuple[str, ...] = ()
+    """Flags appended to XLA_FLAGS before the backend starts, e.g. --xla_gpu_deterministic_ops=true."""
+
+    def apply_xla_flags(self) -> None:
+        """Append `xla_flags` to the XLA_FLAGS environment variable, before JAX starts its backend.
+
+        XLA reads XLA_FLAGS once, when the first computation starts the backend, so a flag set later
+        would be silently ignored: that raises instead. Flags already in XLA_FLAGS are not repeated.
+        """
+        present = os.environ.get("XLA_FLAGS", "").split()
+        missing = [flag for flag in self.xla_flags if flag not in present]
+        if not missing:
+            return
+        if _backend_started():
+            raise RuntimeError(
+                f"TrainerConfig.xla_flags {missing} must reach XLA_FLAGS before JAX starts its backend, "
+                "but this process has already run a JAX computation. Call "
+                "config.trainer.apply_xla_flags() at the top of the program (before any jax call), "
+                "or set XLA_FLAGS in the environment that starts it."
+            )
+        os.environ["XLA_FLAGS"] = " ".join(present + missing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +154,17 @@ class RunConfig:
     tokenizer: str | None = None
     sampling: Any = None
 
+    def record(self) -> dict[str, Any]:
+        """The JSON-ready form `run.json` holds."""
+        record = {"format": FORMAT, "version": 1}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in _PLAIN and value is not None:  # Dew's own records: fields without a type tag
+                record[field.name] = {f.name: to_record(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            else:
+                record[field.name] = to_record(value)
+        return record
+
     def save(self, directory: str | os.PathLike, *, tokenizer: Any = None) -> Path:
         """Write `run.json` into `directory` (atomically), copying a tokenizer's files beside it."""
         directory = Path(directory)
@@ -140,14 +172,38 @@ class RunConfig:
         config = self
         if tokenizer is not None:
             config = dataclasses.replace(config, tokenizer=_store_tokenizer(tokenizer, directory))
-        record = {"format": FORMAT, "version": 1}
-        for field in dataclasses.fields(config):
-            value = getattr(config, field.name)
-            if field.name in _PLAIN and value is not None:  # Dew's own records: fields without a type tag
-                record[field.name] = {f.name: to_record(getattr(value, f.name)) for f in dataclasses.fields(value)}
-            else:
-                record[field.name] = to_record(value)
-        return write_atomic(directory / RUN_FILE, json.dumps(record, indent=2) + "\n")
+        return write_atomic(directory / RUN_FILE, json.dumps(config.record(), indent=2) + "\n")
+
+    def train(
+        self,
+        objective: Any,
+        data: Any = None,
+        *,
+        name: str | None = None,
+        tracker: Any = None,
+        metrics: Any = (),
+        tokenizer: Any = None,
+    ) -> Any:
+        """Train `objective` as this run under `trainer.checkpoint_dir/name` and return the final state.
+
+        run.json is written first, so a stopped run is already a run; the run is tracked by `tracker`
+        (a LocalTracker in `<run>/tracking` by default) and ends with a checkpoint of its last step,
+        so `dew.pipeline(<run>)` reloads it. `data` is a `dew.Dataset` (default: `self.data.load(
+        batch=trainer.batch_size)`); `name` defaults to `trainer.name` (no name trains in
+        `checkpoint_dir` itself). Calling train again on the same directory resumes from its newest
+        checkpoint.
+        """
+        from dew.config.train import train_run
+
+        return train_run(self, objective, data, name=name, tracker=tracker, metrics=metrics, tokenizer=tokenizer)
+
+    def sweep(self, space: Any, *, train: Any, trials: int | None = None, ledger: Any = None,
+              tracker: Any = None, search: Any = None, retry_failed: bool = False) -> list[Any]:
+        """Train one trial of this run for each point of `space`; see `dew.config.sweep.sweep`."""
+        from dew.config.sweep import sweep
+
+        return sweep(self, space, train=train, trials=trials, ledger=ledger, tracker=tracker, search=search,
+                     retry_failed=retry_failed)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> RunConfig:
@@ -186,6 +242,13 @@ class RunConfig:
 
 
 _PLAIN = {"model": ModelConfig, "optim": OptimConfig, "trainer": TrainerConfig, "objective": ObjectiveConfig}
+
+
+def _backend_started() -> bool:
+    """Whether JAX has started a backend in this process (and so has read XLA_FLAGS)."""
+    import jax._src.xla_bridge as xla_bridge  # the one place JAX says so; no public API exists
+
+    return bool(xla_bridge.backends_are_initialized())
 
 
 def _store_tokenizer(tokenizer: Any, directory: Path) -> str:
