@@ -60,14 +60,23 @@ class OptimConfig:
     """An Optax optimizer by name, with a linear warm-up and an optional cosine decay."""
 
     optimizer: str = "adamw"
+    """One of adam, adamw, sgd, lion."""
     learning_rate: float = 1e-3
+    """The peak rate, reached after the warm-up."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (adamw, lion)."""
     b1: float = 0.9
+    """First-moment decay (adam, adamw, lion)."""
     b2: float = 0.999
+    """Second-moment decay (adam, adamw, lion)."""
     momentum: float | None = None
+    """Momentum for sgd (None: plain sgd)."""
     warmup_steps: int = 0
+    """Steps of linear warm-up from 0."""
     decay_steps: int | None = None
+    """Steps to a cosine decay to 0 (None: the rate stays at its peak)."""
     clip_norm: float | None = None
+    """Clip the global gradient norm to this (None: no clipping)."""
 
     OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
 
@@ -110,17 +119,28 @@ class TrainerConfig:
     """Run settings: where checkpoints go, how long, how often."""
 
     name: str | None = None
+    """The run's directory under checkpoint_dir (RunConfig.train)."""
     checkpoint_dir: str = "runs/run"
+    """Where runs are written."""
     steps: int = 1000
+    """The step to train to (an absolute target: a resumed run trains the rest)."""
     batch_size: int = 32
+    """Rows in each global batch."""
     log_every: int = 100
+    """Steps between progress reports."""
     eval_every: int | None = None
+    """Steps between validation passes (None: none)."""
     checkpoint_every: int | None = None
+    """Steps between checkpoints (None: only the last step)."""
     keep: int | None = 2
+    """Checkpoint steps kept (None keeps all)."""
     seed: int = 0
+    """The root key of initialization and every step's randomness."""
     accumulation: int = 1
+    """Microbatches per step whose gradients are averaged."""
     xla_flags: tuple[str, ...] = ()
-    """Flags appended to XLA_FLAGS before the backend starts, e.g. --xla_gpu_deterministic_ops=true."""
+    """Flags appended to XLA_FLAGS before the backend starts (a command line writes
+    --trainer.xla-flags=--xla_gpu_deterministic_ops=true)."""
 
     def apply_xla_flags(self) -> None:
         """Append `xla_flags` to the XLA_FLAGS environment variable, before JAX starts its backend.

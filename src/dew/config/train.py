@@ -12,18 +12,18 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dew.config.records import to_record
-from dew.config.run import ModelConfig, ObjectiveConfig, RunConfig
+from dew.config.run import ModelConfig, ObjectiveConfig, RunConfig, TrainerConfig
 
 
-def run_directory(config: RunConfig, name: str | None) -> Path:
+def run_directory(trainer: TrainerConfig, name: str | None) -> Path:
     """`trainer.checkpoint_dir/name` (or `checkpoint_dir` itself when there is no name)."""
     if name is None:
-        return Path(config.trainer.checkpoint_dir)
+        return Path(trainer.checkpoint_dir)
     if not isinstance(name, str) or not name or PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
         raise ValueError(
             f"A run name is a relative directory name under trainer.checkpoint_dir, like 'lm-rate'; got {name!r}."
         )
-    return Path(config.trainer.checkpoint_dir) / name
+    return Path(trainer.checkpoint_dir) / name
 
 
 def recorded_config(config: RunConfig, objective: Any, name: str | None) -> RunConfig:
@@ -94,7 +94,7 @@ def train_run(
     """See `RunConfig.train`."""
     config.trainer.apply_xla_flags()
     name = config.trainer.name if name is None else name
-    directory = run_directory(config, name)
+    directory = run_directory(config.trainer, name)
     dataset = training_data(config, data)
     recorded = recorded_config(config, objective, name)
 
