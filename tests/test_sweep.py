@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -222,7 +221,8 @@ def test_trials_get_their_own_run_directories_and_reach_the_ledger_before_the_tr
     config = base_config(tmp_path)
     calls = Calls()
     watcher = LedgerWatcher(tmp_path / "s" / "ledger.json")
-    trials = config.sweep({"optim.learning_rate": [0.1, 0.01], "trainer.steps": [4, 6]}, train=calls, tracker=watcher)
+    trials = config.sweep({"optim.learning_rate": [0.1, 0.01], "trainer.steps": [4, 6]}, train=calls, tracker=watcher,
+                          search=GridSearch())
     assert [t.overrides for t in trials] == [
         {"optim.learning_rate": 0.1, "trainer.steps": 4}, {"optim.learning_rate": 0.1, "trainer.steps": 6},
         {"optim.learning_rate": 0.01, "trainer.steps": 4}, {"optim.learning_rate": 0.01, "trainer.steps": 6}]
@@ -318,6 +318,8 @@ def test_bad_input_is_refused_before_any_trial_trains(tmp_path):
         config.sweep({"model.settings.width": [64]}, train=calls)
     with pytest.raises(TypeError, match=r"trainer.steps holds int; got 1.5"):
         config.sweep({"trainer.steps": [2, 1.5]}, train=calls)
+    with pytest.raises(TypeError, match=r"trainer.steps holds int; got 2.0"):
+        config.sweep({"trainer.steps": Uniform(2, 9)}, train=calls, trials=2, search=RandomSearch())
     with pytest.raises(TypeError, match="mixed types"):
         config.sweep({"optim.learning_rate": [0.01, "fast"]}, train=calls)
     with pytest.raises(ValueError, match="non-empty space"):

@@ -217,6 +217,38 @@ class RunConfig:
 
         return train_run(self, objective, data, name=name, tracker=tracker, metrics=metrics, tokenizer=tokenizer)
 
+    def describing(self, objective: Any, name: str | None) -> RunConfig:
+        """The config run.json records for training `objective` as the run `name`: the objective filled
+        in when this config names none, and `trainer.name` set.
+
+        A config that names a different model or objective than the one trained would make run.json
+        rebuild something else, so that raises.
+        """
+        model = getattr(objective, "model", None)
+        if model is None:
+            raise TypeError(f"RunConfig.train needs an objective with a .model; got {type(objective).__name__}.")
+        trained = ModelConfig.from_model(model)
+        if ModelConfig.from_model(self.model.build()) != trained:
+            raise ValueError(
+                f"The RunConfig records the model {self.model.target} with {self.model.settings}, but the "
+                f"objective trains {trained.target} with {trained.settings}. Build the objective from the "
+                "config (run.model.build()) or record its model with ModelConfig.from_model(objective.model)."
+            )
+        described = ObjectiveConfig.from_objective(objective)
+        if self.objective is not None and (
+            self.objective.target != described.target or to_record(self.objective.settings) != described.settings
+        ):
+            raise ValueError(
+                f"The RunConfig records the objective {self.objective.target} with {self.objective.settings}, "
+                f"but the objective trained is {described.target} with {described.settings}. Pass the objective "
+                "the config describes, or leave RunConfig.objective unset so train records it."
+            )
+        return dataclasses.replace(
+            self,
+            objective=described if self.objective is None else self.objective,
+            trainer=dataclasses.replace(self.trainer, name=name),
+        )
+
     def sweep(self, space: Any, *, train: Any, trials: int | None = None, ledger: Any = None,
               tracker: Any = None, search: Any = None, retry_failed: bool = False) -> list[Any]:
         """Train one trial of this run for each point of `space`; see `dew.config.sweep.sweep`."""

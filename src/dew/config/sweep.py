@@ -81,8 +81,8 @@ def check_space(config: Any, space: Mapping[str, Any]) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for path, dimension in space.items():
         if isinstance(dimension, (Uniform, IntRange)):
-            check_value(config, path, dimension.low)
-            check_value(config, path, dimension.high)
+            draw = float if isinstance(dimension, Uniform) else int  # the type of what the range yields
+            check_value(config, path, draw(dimension.low))
             checked[path] = dimension
             continue
         if isinstance(dimension, (str, bytes)) or not isinstance(dimension, Sequence):

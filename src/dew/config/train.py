@@ -2,20 +2,24 @@
 
 `RunConfig.train` lands here. The run record is written before the first step, so an interrupted
 run is still a run that says what it was; the last step is always checkpointed, so a finished run
-reloads with `dew.pipeline` whatever `checkpoint_every` was.
+reloads with `dew.pipeline` whatever `checkpoint_every` was. The functions take the RunConfig as
+an argument rather than importing run.py, which calls them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from dew.config.records import to_record
-from dew.config.run import ModelConfig, ObjectiveConfig, RunConfig, TrainerConfig
+import jax
+
+from dew.data.dataset import Dataset
+from dew.tracking.local import LocalTracker
+from dew.training.checkpoints import Checkpoints
+from dew.training.trainer import Trainer
 
 
-def run_directory(trainer: TrainerConfig, name: str | None) -> Path:
+def run_directory(trainer: Any, name: str | None) -> Path:
     """`trainer.checkpoint_dir/name` (or `checkpoint_dir` itself when there is no name)."""
     if name is None:
         return Path(trainer.checkpoint_dir)
@@ -26,42 +30,8 @@ def run_directory(trainer: TrainerConfig, name: str | None) -> Path:
     return Path(trainer.checkpoint_dir) / name
 
 
-def recorded_config(config: RunConfig, objective: Any, name: str | None) -> RunConfig:
-    """The config run.json records: this run's name, and the objective filled in when it names none.
-
-    A config that names a different model or objective than the one trained would make run.json
-    rebuild something else, so that raises.
-    """
-    model = getattr(objective, "model", None)
-    if model is None:
-        raise TypeError(f"RunConfig.train needs an objective with a .model; got {type(objective).__name__}.")
-    trained = ModelConfig.from_model(model)
-    if ModelConfig.from_model(config.model.build()) != trained:
-        raise ValueError(
-            f"The RunConfig records the model {config.model.target} with {config.model.settings}, but the "
-            f"objective trains {trained.target} with {trained.settings}. Build the objective from the "
-            "config (run.model.build()) or record its model with ModelConfig.from_model(objective.model)."
-        )
-    described = ObjectiveConfig.from_objective(objective)
-    if config.objective is not None and (
-        config.objective.target != described.target or to_record(config.objective.settings) != described.settings
-    ):
-        raise ValueError(
-            f"The RunConfig records the objective {config.objective.target} with {config.objective.settings}, "
-            f"but the objective trained is {described.target} with {described.settings}. Pass the objective "
-            "the config describes, or leave RunConfig.objective unset so train records it."
-        )
-    return dataclasses.replace(
-        config,
-        objective=described if config.objective is None else config.objective,
-        trainer=dataclasses.replace(config.trainer, name=name),
-    )
-
-
-def training_data(config: RunConfig, data: Any) -> Any:
+def training_data(config: Any, data: Any) -> Any:
     """The Dataset to train on: `data`, or the one `config.data` loads at `trainer.batch_size`."""
-    from dew.data.dataset import Dataset
-
     batch = config.trainer.batch_size
     if data is None:
         if not callable(getattr(config.data, "load", None)):
@@ -82,7 +52,7 @@ def training_data(config: RunConfig, data: Any) -> Any:
 
 
 def train_run(
-    config: RunConfig,
+    config: Any,
     objective: Any,
     data: Any = None,
     *,
@@ -95,15 +65,8 @@ def train_run(
     config.trainer.apply_xla_flags()
     name = config.trainer.name if name is None else name
     directory = run_directory(config.trainer, name)
+    recorded = config.describing(objective, name)
     dataset = training_data(config, data)
-    recorded = recorded_config(config, objective, name)
-
-    import jax
-
-    from dew.tracking.local import LocalTracker
-    from dew.training.checkpoints import Checkpoints
-    from dew.training.trainer import Trainer
-
     recorded.save(directory, tokenizer=tokenizer if tokenizer is not None else getattr(objective, "tokenizer", None))
     settings = config.trainer
     checkpoints = Checkpoints(directory, keep=settings.keep)
