@@ -48,10 +48,12 @@ class _SeesRunFile(Tracker):
             self.first = self.run_file.is_file()
 
 
-def test_train_writes_run_json_first_and_the_run_reloads_with_dew_pipeline(tmp_path):
+def test_train_writes_run_json_first_and_the_run_reloads_with_dew_pipeline(tmp_path, monkeypatch):
     objective = tiny_objective()
     data = Dataset.from_records(BATCH, batch=8)
-    config = config_for(objective, tmp_path)
+    # a flag the environment already carries (the backend has started; XLA has read it or never will)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+    config = config_for(objective, tmp_path, xla_flags=("--xla_cpu_enable_fast_math=false",))
     seen = _SeesRunFile(tmp_path / "run" / "run.json")
     state = config.train(objective, data, tracker=seen)
     assert seen.first is True
@@ -59,6 +61,7 @@ def test_train_writes_run_json_first_and_the_run_reloads_with_dew_pipeline(tmp_p
 
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["trainer"]["name"] == "run" and record["objective"]["target"].endswith("LMObjective")
+    assert RunConfig.load(tmp_path / "run") == config.describing(objective, "run")  # xla_flags and all
     task = dew.pipeline(tmp_path / "run", ema=False)
     np.testing.assert_array_equal(np.asarray(task([[1, 2]], 5, seed=0).tokens),
                                   np.asarray(objective.pipeline(state, ema=False)([[1, 2]], 5, seed=0).tokens))
