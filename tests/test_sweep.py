@@ -320,6 +320,10 @@ def test_bad_input_is_refused_before_any_trial_trains(tmp_path):
         config.sweep({"trainer.steps": [2, 1.5]}, train=calls)
     with pytest.raises(TypeError, match=r"trainer.steps holds int; got 2.0"):
         config.sweep({"trainer.steps": Uniform(2, 9)}, train=calls, trials=2, search=RandomSearch())
+    with pytest.raises(ValueError, match="OptimConfig.optimizer must be one of"):
+        config.sweep({"optim.optimizer": ["adam", "adagrad"]}, train=calls)
+    with pytest.raises(ValueError, match="trainer.name cannot be swept"):
+        config.sweep({"trainer.name": ["a", "b"]}, train=calls)
     with pytest.raises(TypeError, match="mixed types"):
         config.sweep({"optim.learning_rate": [0.01, "fast"]}, train=calls)
     with pytest.raises(ValueError, match="non-empty space"):

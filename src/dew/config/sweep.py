@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from dew import checks
-from dew.config.overrides import apply_overrides, check_value
+from dew.config.overrides import apply_overrides, check_value, override
 from dew.config.records import from_record, import_path, to_record
 from dew.files import write_atomic
 
@@ -80,6 +80,8 @@ def check_space(config: Any, space: Mapping[str, Any]) -> dict[str, Any]:
         )
     checked: dict[str, Any] = {}
     for path, dimension in space.items():
+        if path in ("trainer.name", "trainer.checkpoint_dir"):
+            raise ValueError(f"A sweep places each trial's run itself (<checkpoint_dir>/<name>/trial-<i>); {path} cannot be swept.")
         if isinstance(dimension, (Uniform, IntRange)):
             draw = float if isinstance(dimension, Uniform) else int  # the type of what the range yields
             check_value(config, path, draw(dimension.low))
@@ -99,7 +101,7 @@ def check_space(config: Any, space: Mapping[str, Any]) -> dict[str, Any]:
                 "Every value of one setting has the same type."
             )
         for value in values:
-            check_value(config, path, value)
+            override(config, path, value)  # the type, and whatever the setting's own class checks
         checked[path] = values
     return checked
 
