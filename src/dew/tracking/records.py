@@ -78,13 +78,15 @@ class ProfileCaptured:
 @dataclasses.dataclass(frozen=True)
 class SweepTrial:
     """One trial of a sweep ended: its index, the overrides it ran with, "finished" or "failed",
-    the value it scored (None when it failed) and, for a failure, the error message."""
+    the value it scored (None when it failed), for a failure the error message, and the trial's
+    run directory."""
 
     index: int
     params: dict[str, Any]
     status: str
     metric: float | None
     message: str | None = None
+    directory: str | None = None
 
     def __post_init__(self):
         if self.status not in ("finished", "failed"):
