@@ -63,7 +63,7 @@ def test_train_writes_run_json_first_and_the_run_reloads_with_dew_pipeline(tmp_p
     assert record["trainer"]["name"] == "run" and record["objective"]["target"].endswith("LMObjective")
     assert RunConfig.load(tmp_path / "run") == config.describing(objective, "run")  # xla_flags and all
     task = dew.pipeline(tmp_path / "run", ema=False)
-    np.testing.assert_array_equal(np.asarray(task([[1, 2]], 5, seed=0).tokens),
+    np.testing.assert_array_equal(task([[1, 2]], 5, seed=0).host().tokens,
                                   np.asarray(objective.pipeline(state, ema=False)([[1, 2]], 5, seed=0).tokens))
 
 
