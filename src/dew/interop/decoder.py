@@ -31,7 +31,7 @@ from flax.core import meta
 from dew.data.tokenizers import HFTokenizer
 from dew.files import staged_directory
 from dew.hub import local_directory
-from dew.interop import families
+from dew.interop import adapted, families
 from dew.interop.families.llama import Weight
 from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
 from dew.nn.backbones.causal_transformer import CausalTransformer
@@ -277,7 +277,7 @@ class Pretrained:
         path = _checkpoint_dir(directory, revision)
         config = read_config(path)
         families.decoder_family(config, str(path / CONFIG_FILE))  # raises when unsupported
-        return PretrainedDecoder.load(path, **options)
+        return dataclasses.replace(PretrainedDecoder.load(path, **options), source=str(directory))
 
     def save(self, directory: str | Path, variables: Mapping[str, Any] | None = None, *,
              overwrite: bool = False) -> Path:
@@ -294,6 +294,8 @@ class PretrainedDecoder(Pretrained):
       tokenizer: an HFTokenizer when the directory holds tokenizer.json, else None.
       config: the Hugging Face config.json as a dict.
       generation_config: generation_config.json as a dict, or None.
+      source: the directory or Hub repository id it was loaded from (None when built in Dew);
+        an adapter saved from it names this as its base.
     """
 
     model: CausalTransformer
@@ -301,6 +303,7 @@ class PretrainedDecoder(Pretrained):
     tokenizer: Any = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     generation_config: Mapping[str, Any] | None = None
+    source: str | None = None
 
     # --- in -------------------------------------------------------------------------------------
 
@@ -348,7 +351,7 @@ class PretrainedDecoder(Pretrained):
             tokenizer = HFTokenizer(path)
             _check_tokenizer(tokenizer, model.vocab_size, f"in {path}")
         return cls(model=model, variables={"params": params}, tokenizer=tokenizer, config=config,
-                   generation_config=_read_json(path / GENERATION_CONFIG_FILE))
+                   generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=str(directory))
 
     @classmethod
     def from_model(
@@ -404,6 +407,12 @@ class PretrainedDecoder(Pretrained):
         return cls.from_model(model, variables, tokenizer=saved.tokenizer(), generation_config=generation_config)
 
     # --- use ------------------------------------------------------------------------------------
+
+    def adapt(self, lora: Any, *, key: Any) -> Any:
+        """This decoder with a LoRA adapter (`dew.nn.adapters.LoRA`): an `AdaptedDecoder` whose
+        objective trains the adapter's factors alone. ``key`` (an int seed or a key) draws fresh
+        factors; a ``LoRA.load(directory)`` brings a PEFT adapter's trained factors instead."""
+        return adapted.adapt(self, lora, key=key)
 
     def default_sampling(self) -> Any:
         """The checkpoint's generation defaults as a Sampling: greedy unless it says do_sample."""
