@@ -315,3 +315,87 @@ def test_an_adapter_saved_by_dew_gives_dews_logits_in_peft(tmp_path):
             base_logits = with_adapter(input_ids=torch.from_numpy(np.asarray(ids, np.int64))).logits.numpy()
     np.testing.assert_allclose(logits, expected, atol=1e-4)
     assert np.abs(base_logits - expected).max() > 1e-2  # the adapter was applied, not ignored
+
+
+# --- post-training on an adapted bundle ----------------------------------------------------------
+
+
+def preference_data(seq_len=11, rows=4):
+    """Pairs of token rows sharing a 4-token prompt; the masks mark the responses."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 128, size=(rows, 4))
+    chosen = np.concatenate([prompt, rng.integers(3, 128, size=(rows, seq_len - 3))], axis=1).astype(np.int32)
+    rejected = np.concatenate([prompt, rng.integers(3, 128, size=(rows, seq_len - 3))], axis=1).astype(np.int32)
+    mask = np.concatenate([np.zeros((rows, 4)), np.ones((rows, seq_len - 3))], axis=1).astype(np.int32)
+    return {"chosen": chosen, "rejected": rejected, "chosen_mask": mask, "rejected_mask": mask}
+
+
+def test_dpo_on_an_adapted_bundle_takes_the_base_as_its_reference_without_a_copy():
+    from dew.objectives.rl import DPOObjective
+
+    base = Pretrained.load(QWEN3)
+    adapted = base.adapt(LoRA(rank=4, alpha=8, modules=("q_proj", "v_proj")), key=0)
+    objective = DPOObjective(adapted, seq_len=11, beta=0.1)
+    columns = preference_data()
+    trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(0))
+    state = trainer.fit(Dataset.from_records(columns, batch=4), steps=6, log_every=6)
+    assert sorted(state.variables) == ["base", "params"]  # no "reference" collection
+
+    batch = {k: jnp.asarray(v) for k, v in columns.items()}
+    policy, reference = jax.jit(objective.sequence_log_probs)(state.variables, batch)
+    base_policy, _ = jax.jit(DPOObjective(base, seq_len=11).sequence_log_probs)(
+        {**base.variables, "reference": base.variables["params"]}, batch)
+    np.testing.assert_allclose(np.asarray(reference), np.asarray(base_policy), rtol=1e-5)  # adapter off
+    rows = columns["chosen"].shape[0]
+    margin = np.asarray(policy[:rows] - policy[rows:]) - np.asarray(reference[:rows] - reference[rows:])
+    assert margin.mean() > 0.5  # the adapter learned to prefer the chosen responses
+    for path, value in flat(state.variables["base"]).items():
+        np.testing.assert_array_equal(value, flat(base.variables["params"])[path])
+
+
+def test_adapted_dpo_needs_about_one_model_less_memory_than_full_dpo():
+    from dew.objectives.rl import DPOObjective
+
+    base = Pretrained.load(QWEN3)
+    batch = {k: jnp.asarray(v) for k, v in preference_data().items()}
+
+    def compiled_bytes(objective):
+        trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0))
+        state = trainer.init_state()
+        analysis = trainer.compiled_step().lower(state, trainer.place(batch)).compile().memory_analysis()
+        return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+
+    weights = sum(v.nbytes for v in flat(base.variables["params"]).values())
+    full = compiled_bytes(DPOObjective(base, seq_len=11))
+    adapted = compiled_bytes(DPOObjective(base.adapt(LoRA(rank=4, modules=("q_proj", "v_proj")), key=0), seq_len=11))
+    print(f"compiled DPO step: full {full} bytes, adapted {adapted} bytes, weights {weights} bytes")
+    assert full - adapted > weights, (full, adapted, weights)
+
+
+def test_grpo_samples_from_the_adapted_policy_and_scores_against_the_base():
+    from dew.objectives.base import Step
+    from dew.objectives.rl import GRPOObjective, SampledRollout
+    from dew.sampling import Sampling
+
+    base = Pretrained.load(QWEN3)
+    adapted = base.adapt(LoRA(rank=4, modules=("q_proj",)), key=0)
+    objective = GRPOObjective(adapted, seq_len=12, beta=0.1)
+    assert sorted(objective.init(None, adapted.variables)) == ["base", "params"]  # no reference copy
+    variables = perturbed(adapted)
+
+    rollout = SampledRollout(objective, reward=lambda source, completion, truth, extra: float(len(completion)),
+                             groups=2, max_new_tokens=4, sampling=Sampling(temperature=1.0),
+                             decode=lambda ids: " ".join(map(str, ids)))
+    prompts = {"prompt": np.array([[5, 6, 7]] * 2, np.int32), "prompt_length": np.full(2, 3, np.int32),
+               "data_source": np.tile(np.frombuffer(b"toy", np.uint8).astype(np.int32), (2, 1)),
+               "ground_truth": np.zeros((2, 0), np.int32), "extra_info": np.zeros((2, 0), np.int32)}
+    batch = {k: jnp.asarray(v) for k, v in rollout(variables, prompts, jax.random.key(1)).items()}
+    mask = np.asarray(batch["response_mask"][:, 1:]) == 1
+    logp, reference, base_logp, loss = jax.jit(lambda v, b, text: (
+        objective.token_log_probs(v, text), objective.reference_log_probs(v, text),
+        objective.token_log_probs(base.variables, text, model=base.model),
+        objective.loss(v, b, Step(0, jax.random.key(2)))[0]))(variables, batch, batch["text"])
+    np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(batch["old_log_probs"][:, 1:])[mask], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(reference), np.asarray(base_logp), atol=1e-5)
+    assert np.abs(np.asarray(reference) - np.asarray(logp))[mask].max() > 1e-3
+    assert np.isfinite(float(loss))

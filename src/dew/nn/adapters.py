@@ -327,6 +327,10 @@ class LoRADecoder:
         b = module.get_variable("lora", "lora_B").astype(y.dtype)
         return y + (x.astype(y.dtype) @ a @ b) * jnp.asarray(self.lora.scaling, y.dtype)
 
+    def base_variables(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """The decoder's own variables with the adapter off: ``{"params": the frozen base}``."""
+        return {"params": _split(variables)[0]}
+
     def merge(self, variables: Mapping[str, Any]) -> dict[str, Any]:
         """The decoder's own variables with the factors folded in: ``W + scaling * A B`` per target,
         in the base's dtype (so a bfloat16 base rounds the sum)."""
