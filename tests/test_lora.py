@@ -399,3 +399,41 @@ def test_grpo_samples_from_the_adapted_policy_and_scores_against_the_base():
     np.testing.assert_allclose(np.asarray(reference), np.asarray(base_logp), atol=1e-5)
     assert np.abs(np.asarray(reference) - np.asarray(logp))[mask].max() > 1e-3
     assert np.isfinite(float(loss))
+
+
+# --- adapted runs ------------------------------------------------------------------------------
+
+
+def test_an_adapted_run_records_its_base_and_exports_as_an_adapter_or_merged(tmp_path):
+    import dew
+    from dew.cli.main import main as dew_main
+    from dew.config.run import ModelConfig, ObjectiveConfig, RunConfig
+
+    run = tmp_path / "run"
+    adapted = Pretrained.load(QWEN3).adapt(LoRA(rank=2, alpha=4, modules=("q_proj", "o_proj")), key=0)
+    objective = LMObjective(adapted, seq_len=8)
+    checkpoints = Checkpoints(run)
+    import grain.python as grain
+
+    batches = [{"text": np.random.default_rng(0).integers(3, 128, size=(4, 9)).astype(np.int32)}]
+    stream = grain.MapDataset.source(batches).repeat()
+    data = Dataset(train=lambda partition: iter(stream.to_iter_dataset()), val=None, records=4, batch=4)
+    state = Trainer(objective, optax.adam(3e-2), key=jax.random.key(0), checkpoints=checkpoints).fit(
+        data, steps=3, log_every=3, checkpoint_every=3)
+    RunConfig(model=ModelConfig.from_model(adapted.model), objective=ObjectiveConfig.from_objective(objective)).save(run)
+    record = json.loads((run / "run.json").read_text())
+    assert record["model"]["settings"]["base"] == str(QWEN3)  # referenced, not copied
+
+    ids = tokens()
+    expected = np.asarray(adapted.model.apply(state.variables, ids))
+    dew_main(["export", str(run), str(tmp_path / "adapter"), "--live"])
+    loaded = Pretrained.load(QWEN3).adapt(LoRA.load(tmp_path / "adapter"), key=0)
+    np.testing.assert_allclose(loaded.model.apply(loaded.variables, ids), expected, atol=1e-6)
+
+    dew_main(["export", str(run), str(tmp_path / "merged"), "--live", "--merged"])
+    merged = Pretrained.load(tmp_path / "merged")
+    np.testing.assert_allclose(merged.model.apply(merged.variables, ids), expected, atol=1e-5)
+    assert np.abs(expected - np.asarray(Pretrained.load(QWEN3).model.apply(Pretrained.load(QWEN3).variables, ids))).max() > 1e-3
+
+    task = dew.pipeline(run, ema=False)  # the base is loaded again from where run.json names it
+    np.testing.assert_allclose(task.model.apply(task.variables, ids), expected, atol=1e-6)

@@ -190,13 +190,27 @@ def adapt(pretrained: Any, lora: LoRA, *, key: Any) -> "AdaptedDecoder":
     modules = linear_modules(family, pretrained.model, params)
     chosen = select(lora, family, modules)
     targets = _targets(chosen, modules, pretrained.model)
-    model = LoRADecoder(pretrained.model, lora, targets)
+    recorded = dataclasses.replace(lora, weights=None)  # the factors live in the variables from here on
+    model = LoRADecoder(pretrained.model, recorded, targets, base=pretrained.source)
     if lora.weights is not None:
         factors = _read_factors(lora, chosen, targets, pretrained.model)
     else:
         factors = _fresh_factors(lora, targets, params, key)
     return AdaptedDecoder(model=model, variables={"params": factors, "base": meta.unbox(params)},
                           base=pretrained, modules=tuple(chosen))
+
+
+def restore(pretrained: Any, model: LoRADecoder, factors: Mapping[str, Any]) -> "AdaptedDecoder":
+    """The adapted bundle of a saved run: ``pretrained`` (the base the run's ``model`` names,
+    loaded again) with the run's trained ``factors``, checked against the adapter's layout."""
+    fresh = adapt(pretrained, dataclasses.replace(model.lora, base=None), key=0)
+    if fresh.model.targets != model.targets:
+        raise ValueError(
+            f"the run adapts kernels {list(model.targets)[:4]}, but its adapter settings select "
+            f"{list(fresh.model.targets)[:4]} on the base {model.base!r}; the base changed since the run"
+        )
+    factors = fresh._factors({"params": factors})
+    return dataclasses.replace(fresh, variables={"params": factors, "base": fresh.variables["base"]})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -34,6 +34,7 @@ from dew.hub import local_directory
 from dew.interop import adapted, families
 from dew.interop.families.llama import Weight
 from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
+from dew.nn.adapters import LoRADecoder
 from dew.nn.backbones.causal_transformer import CausalTransformer
 
 CONFIG_FILE = "config.json"
@@ -382,12 +383,15 @@ class PretrainedDecoder(Pretrained):
 
         The model is rebuilt from the record, the weights are those of `step` (the latest by
         default; the EMA copy when `ema`, which raises when the run keeps none), and the run's
-        tokenizer and sampling defaults come along.
+        tokenizer and sampling defaults come along. A run that trained a LoRA adapter gives its
+        `AdaptedDecoder`: the base loaded again from where run.json names it, with the run's factors.
         """
         from dew.config.saved import load_run  # a run record sits in the layer below interop
 
         saved = load_run(run, step=step)
         model = saved.config.model.build()
+        if isinstance(model, LoRADecoder):
+            return cls._adapted_from_run(run, saved, model, ema)
         if not isinstance(model, CausalTransformer):
             raise ValueError(f"{run} is not a decoder run (its model is {type(model).__name__}); export reads decoders.")
         state = saved.state()
@@ -405,6 +409,23 @@ class PretrainedDecoder(Pretrained):
                 if getattr(sampling, name) is not None:
                     generation_config[name] = getattr(sampling, name)
         return cls.from_model(model, variables, tokenizer=saved.tokenizer(), generation_config=generation_config)
+
+    @classmethod
+    def _adapted_from_run(cls, run: str | Path, saved: Any, model: LoRADecoder, ema: bool) -> Any:
+        """An adapted run: its base loaded from where run.json names it, with the run's factors."""
+        if model.base is None:
+            raise ValueError(
+                f"{run} trains a LoRA adapter, but its run.json names no base checkpoint to load the "
+                "frozen weights from; record the model of a bundle from Pretrained.load(...).adapt(...)"
+            )
+        state = saved.state()
+        if ema and state.ema is None:
+            raise ValueError(f"ema=True asks for {run}'s moving-average factors, but the run keeps no EMA copy; pass ema=False (dew export --live).")
+        factors = (state.averaged if ema else state.variables)["params"]
+        decoder = model.model
+        base = cls.load(model.base, dtype=decoder.dtype, param_dtype=decoder.param_dtype,
+                        max_seq_len=decoder.max_seq_len, scan_layers=decoder.scan_layers)
+        return adapted.restore(base, model, factors)
 
     # --- use ------------------------------------------------------------------------------------
 

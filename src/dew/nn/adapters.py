@@ -246,12 +246,15 @@ class LoRADecoder:
 
     Its variables are ``{"params": factors, "base": the decoder's params}``, factors laid out like
     the params (``layers_0/self_attn/q_proj/lora_A``). ``apply`` takes the decoder's arguments and
-    returns what it returns; ``rngs={"dropout": key}`` turns the adapter's dropout on.
+    returns what it returns; ``rngs={"dropout": key}`` turns the adapter's dropout on. ``base``
+    names the checkpoint (directory or Hub id) the frozen weights come from, so a run record of
+    this model references the base instead of copying it.
     """
 
     model: Any
     lora: LoRA
     targets: tuple[str, ...]
+    base: str | None = None
 
     #: collections held fixed from the starting weights: a trainer neither trains nor saves them
     frozen_collections: ClassVar[tuple[str, ...]] = ("base",)
