@@ -177,7 +177,7 @@ def test_a_peft_trained_adapter_loads_with_peft_logits_and_the_controls_fail():
     ids = reference["input_ids"]
     lora = LoRA.load(PEFT_ADAPTER)
     assert (lora.rank, lora.scaling, lora.modules) == (4, 2.0, tuple(sorted(ALL_PROJECTIONS)))
-    adapted = Pretrained.load(LLAMA).adapt(lora, key=0)
+    adapted = Pretrained.load(LLAMA).adapt(lora)  # trained factors: no key to draw with
     logits = np.asarray(adapted.model.apply(adapted.variables, ids))
     np.testing.assert_allclose(logits, reference["logits"], atol=1e-4)
     assert np.abs(reference["logits"] - reference["base_logits"]).max() > 1.0
@@ -285,6 +285,8 @@ def test_a_peft_option_dew_does_not_implement_raises(tmp_path, option, value):
 
 
 def test_lora_settings_are_checked():
+    with pytest.raises(ValueError, match="needs key="):
+        Pretrained.load(QWEN3).adapt(LoRA(rank=2))
     with pytest.raises(ValueError, match="LoRA rank must be a positive integer"):
         LoRA(rank=0)
     with pytest.raises(ValueError, match="dropout must be a probability"):

@@ -173,12 +173,14 @@ def _fresh_factors(lora: LoRA, targets: tuple[str, ...], params: Mapping[str, An
     return traverse_util.unflatten_dict(factors, sep="/")
 
 
-def adapt(pretrained: Any, lora: LoRA, *, key: Any) -> "AdaptedDecoder":
+def adapt(pretrained: Any, lora: LoRA, *, key: Any = None) -> "AdaptedDecoder":
     """``pretrained`` (a PretrainedDecoder) with the adapter ``lora``: fresh factors drawn from
-    ``key``, or a PEFT adapter's factors when ``lora`` came from `LoRA.load`."""
+    ``key``, or a PEFT adapter's factors when ``lora`` came from `LoRA.load` (no key needed)."""
     if not isinstance(lora, LoRA):
         raise TypeError(f"adapt takes a dew.nn.adapters.LoRA; got {type(lora).__name__}")
-    key = _as_key(key)
+    if key is None and lora.weights is None:
+        raise ValueError("adapt draws fresh adapter factors, which needs key= (an int seed or a jax.random.key)")
+    key = None if key is None else _as_key(key)
     family = families.decoder_family(dict(pretrained.config), "the bundle's config")
     if lora.base is not None and pretrained.source is not None and not _same_base(lora.base, pretrained.source):
         raise ValueError(
@@ -203,7 +205,7 @@ def adapt(pretrained: Any, lora: LoRA, *, key: Any) -> "AdaptedDecoder":
 def restore(pretrained: Any, model: LoRADecoder, factors: Mapping[str, Any]) -> "AdaptedDecoder":
     """The adapted bundle of a saved run: ``pretrained`` (the base the run's ``model`` names,
     loaded again) with the run's trained ``factors``, checked against the adapter's layout."""
-    fresh = adapt(pretrained, dataclasses.replace(model.lora, base=None), key=0)
+    fresh = adapt(pretrained, dataclasses.replace(model.lora, base=None), key=0)  # factors replaced below
     if fresh.model.targets != model.targets:
         raise ValueError(
             f"the run adapts kernels {list(model.targets)[:4]}, but its adapter settings select "
@@ -246,7 +248,7 @@ class AdaptedDecoder:
     def generation_config(self) -> Mapping[str, Any] | None:
         return self.base.generation_config
 
-    def adapt(self, lora: LoRA, *, key: Any) -> "AdaptedDecoder":
+    def adapt(self, lora: LoRA, *, key: Any = None) -> "AdaptedDecoder":
         raise ValueError(
             "this model already carries a LoRA adapter; fold it in with .merge() first, then adapt "
             "the merged bundle (adapted.merge().adapt(lora, key=...))"

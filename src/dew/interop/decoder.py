@@ -429,10 +429,10 @@ class PretrainedDecoder(Pretrained):
 
     # --- use ------------------------------------------------------------------------------------
 
-    def adapt(self, lora: Any, *, key: Any) -> Any:
+    def adapt(self, lora: Any, *, key: Any = None) -> Any:
         """This decoder with a LoRA adapter (`dew.nn.adapters.LoRA`): an `AdaptedDecoder` whose
         objective trains the adapter's factors alone. ``key`` (an int seed or a key) draws fresh
-        factors; a ``LoRA.load(directory)`` brings a PEFT adapter's trained factors instead."""
+        factors; a ``LoRA.load(directory)`` brings a PEFT adapter's trained factors (no key)."""
         return adapted.adapt(self, lora, key=key)
 
     def default_sampling(self) -> Any:
