@@ -22,7 +22,6 @@ import contextlib
 import itertools
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import harness
-from lm_decode import CONFIG, build_checkpoint
+from lm_decode import build_checkpoint
 from lm_train import load_corpus
 
 RANK, ALPHA, MODULES = 8, 16, ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -183,7 +182,7 @@ def main() -> None:
     config = {"loss_steps": steps, "window": window}
     sides = [harness.side("dew", "dew", script, [], {**config, "side": "dew"}, python=args.dew_python),
              harness.side("dew full fine-tune", "reference", script, [], {**config, "side": "dew-full"},
-                          python=args.dew_python)]
+                          python=args.dew_python, env=harness.dew_environment())]
     sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=not args.no_compile,
                                  python=args.peer_python, label="peft")
     with tempfile.TemporaryDirectory(prefix="dew-lora-train-") as workdir:

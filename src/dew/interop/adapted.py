@@ -26,7 +26,7 @@ from flax.core import meta
 from dew.files import staged_directory
 from dew.interop import families
 from dew.interop.safetensors_io import SafetensorsFile, save_file
-from dew.nn.adapters import ALL_LINEAR, CONFIG_FILE, WEIGHTS_FILE, LoRA, LoRADecoder, factor_path
+from dew.nn.adapters import CONFIG_FILE, WEIGHTS_FILE, LoRA, LoRADecoder, factor_path
 
 PEFT_PREFIX = "base_model.model."  # what PeftModelForCausalLM puts before a module's name
 HEAD = "lm_head"
@@ -317,6 +317,3 @@ class AdaptedDecoder:
             instances = {name for name in every if name.rsplit(".", 1)[-1] == short}
             names += [short] if instances <= chosen else sorted(instances & chosen)
         return names
-
-
-__all__ = ["ALL_LINEAR", "AdaptedDecoder", "Projection", "adapt", "linear_modules"]
