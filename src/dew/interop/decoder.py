@@ -71,6 +71,13 @@ def _checkpoint_dir(directory: str | Path, revision: str | None = None) -> Path:
     return local_directory(directory, revision=revision, what="checkpoint")
 
 
+def _source_name(directory: str | Path) -> str:
+    """How a bundle names where it came from: a local directory by its absolute path (so a run
+    record that references it reads from any working directory), a Hub repository by its id."""
+    local = Path(directory).expanduser()
+    return str(local.absolute()) if local.is_dir() else str(directory)
+
+
 def read_config(directory: str | Path) -> dict[str, Any]:
     """The config.json of a checkpoint directory, with a clear error when it is missing."""
     path = _checkpoint_dir(directory) / CONFIG_FILE
@@ -278,7 +285,7 @@ class Pretrained:
         path = _checkpoint_dir(directory, revision)
         config = read_config(path)
         families.decoder_family(config, str(path / CONFIG_FILE))  # raises when unsupported
-        return dataclasses.replace(PretrainedDecoder.load(path, **options), source=str(directory))
+        return dataclasses.replace(PretrainedDecoder.load(path, **options), source=_source_name(directory))
 
     def save(self, directory: str | Path, variables: Mapping[str, Any] | None = None, *,
              overwrite: bool = False) -> Path:
@@ -352,7 +359,7 @@ class PretrainedDecoder(Pretrained):
             tokenizer = HFTokenizer(path)
             _check_tokenizer(tokenizer, model.vocab_size, f"in {path}")
         return cls(model=model, variables={"params": params}, tokenizer=tokenizer, config=config,
-                   generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=str(directory))
+                   generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=_source_name(directory))
 
     @classmethod
     def from_model(
