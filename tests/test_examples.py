@@ -89,3 +89,17 @@ def test_readme_demo_full_run_learns_each_part(tmp_path):
     trained, data = results["flow"]["trained"], results["flow"]["data"]
     assert trained["near_a_mode"] > 0.85 and trained["modes_covered"] == 8
     assert trained["nearest_center"] < 1.5 * data["nearest_center"]
+
+
+def test_sft_lora_smoke_trains_the_adapter_alone_and_exports_it(tmp_path):
+    from dew.interop import Pretrained
+    from dew.nn.adapters import LoRA
+
+    result = load_example("sft_lora").main(["--out", str(tmp_path), "--smoke"])
+    assert result["steps"] == 30 and result["last_loss"] < result["first_loss"] - 0.3
+    assert result["trained_tensors"] < result["frozen_tensors"] / 4
+    adapter = LoRA.load(result["adapter"])
+    assert adapter.rank == 8 and adapter.modules == (  # "all-linear", written out as PEFT reads it
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    reloaded = Pretrained.load(tmp_path / "base").adapt(adapter, key=0)
+    assert sorted(reloaded.variables) == ["base", "params"]

@@ -9,12 +9,26 @@ from tyro.conf import Positional
 from dew.cli import checkpoints, demo, launch, tokenize  # each imports its heavy dependencies inside its function
 
 
-def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False, overwrite: bool = False) -> None:
+def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False,
+            overwrite: bool = False, merged: bool = False) -> None:
     """Export a saved decoder run to the Hugging Face layout (config.json, model.safetensors,
-    generation_config.json, tokenizer files) that transformers, vLLM and llama.cpp read."""
+    generation_config.json, tokenizer files) that transformers, vLLM and llama.cpp read.
+
+    A run that trained a LoRA adapter is written as a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors) naming its base; `--merged` writes the base with the adapter folded
+    in as a full model instead."""
     from dew.interop import PretrainedDecoder
 
     bundle = PretrainedDecoder.from_run(run, step=step, ema=not live)
+    adapted = callable(getattr(bundle, "save_adapter", None))
+    if merged and not adapted:
+        raise ValueError(f"--merged folds a LoRA adapter into its base, but {run} trains every weight; export it without --merged")
+    if adapted and not merged:
+        bundle.save_adapter(dest, overwrite=overwrite)
+        print(f"exported {run}'s LoRA adapter for {bundle.base.source} to {dest}")
+        return
+    if adapted:
+        bundle = bundle.merge()
     bundle.save(dest, overwrite=overwrite)
     print(f"exported {run} as {bundle.config.get('model_type')} to {dest}")
 

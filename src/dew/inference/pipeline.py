@@ -90,6 +90,8 @@ def _from_run(path: Path, *, step, ema, mesh, layout, dtype, param_dtype):
         model = model.clone(dtype=jnp.dtype(dtype))
     objective = run.config.objective.build(model)
     state = run.state()
+    if "base" in getattr(model, "frozen_collections", ()):  # a LoRA run: its checkpoints hold the factors alone
+        state = state.replace(variables={**state.variables, "base": _adapted_base(path, model)})
     if param_dtype not in (None, "auto"):
         state = state.replace(variables=_cast(state.variables, param_dtype), ema=_cast(state.ema, param_dtype))
     row_sharding = None
@@ -108,6 +110,17 @@ def _from_run(path: Path, *, step, ema, mesh, layout, dtype, param_dtype):
     if row_sharding is not None and _has_field(task, "row_sharding"):
         replacements["row_sharding"] = row_sharding
     return dataclasses.replace(task, **replacements) if replacements else task
+
+
+def _adapted_base(path: Path, model: Any) -> Any:
+    """The frozen base weights of an adapted run, loaded from the checkpoint its run.json names."""
+    from dew.interop import PretrainedDecoder
+
+    if model.base is None:
+        raise ValueError(f"{path} trains a LoRA adapter, but its run.json names no base checkpoint to load.")
+    decoder = model.model
+    return PretrainedDecoder.load(model.base, dtype=decoder.dtype, param_dtype=decoder.param_dtype,
+                                  max_seq_len=decoder.max_seq_len, scan_layers=decoder.scan_layers).variables["params"]
 
 
 def _has_field(task: Any, name: str) -> bool:

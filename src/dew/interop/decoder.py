@@ -31,9 +31,10 @@ from flax.core import meta
 from dew.data.tokenizers import HFTokenizer
 from dew.files import staged_directory
 from dew.hub import local_directory
-from dew.interop import families
+from dew.interop import adapted, families
 from dew.interop.families.llama import Weight
 from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
+from dew.nn.adapters import LoRADecoder
 from dew.nn.backbones.causal_transformer import CausalTransformer
 
 CONFIG_FILE = "config.json"
@@ -68,6 +69,13 @@ UNSUPPORTED_CONTROLS: dict[str, Any] = {
 def _checkpoint_dir(directory: str | Path, revision: str | None = None) -> Path:
     """A checkpoint directory: a local one, or a Hub repository's snapshot from the Hugging Face cache."""
     return local_directory(directory, revision=revision, what="checkpoint")
+
+
+def _source_name(directory: str | Path) -> str:
+    """How a bundle names where it came from: a local directory by its absolute path (so a run
+    record that references it reads from any working directory), a Hub repository by its id."""
+    local = Path(directory).expanduser()
+    return str(local.absolute()) if local.is_dir() else str(directory)
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
@@ -277,7 +285,7 @@ class Pretrained:
         path = _checkpoint_dir(directory, revision)
         config = read_config(path)
         families.decoder_family(config, str(path / CONFIG_FILE))  # raises when unsupported
-        return PretrainedDecoder.load(path, **options)
+        return dataclasses.replace(PretrainedDecoder.load(path, **options), source=_source_name(directory))
 
     def save(self, directory: str | Path, variables: Mapping[str, Any] | None = None, *,
              overwrite: bool = False) -> Path:
@@ -294,6 +302,8 @@ class PretrainedDecoder(Pretrained):
       tokenizer: an HFTokenizer when the directory holds tokenizer.json, else None.
       config: the Hugging Face config.json as a dict.
       generation_config: generation_config.json as a dict, or None.
+      source: the directory or Hub repository id it was loaded from (None when built in Dew);
+        an adapter saved from it names this as its base.
     """
 
     model: CausalTransformer
@@ -301,6 +311,7 @@ class PretrainedDecoder(Pretrained):
     tokenizer: Any = None
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     generation_config: Mapping[str, Any] | None = None
+    source: str | None = None
 
     # --- in -------------------------------------------------------------------------------------
 
@@ -348,7 +359,7 @@ class PretrainedDecoder(Pretrained):
             tokenizer = HFTokenizer(path)
             _check_tokenizer(tokenizer, model.vocab_size, f"in {path}")
         return cls(model=model, variables={"params": params}, tokenizer=tokenizer, config=config,
-                   generation_config=_read_json(path / GENERATION_CONFIG_FILE))
+                   generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=_source_name(directory))
 
     @classmethod
     def from_model(
@@ -379,12 +390,15 @@ class PretrainedDecoder(Pretrained):
 
         The model is rebuilt from the record, the weights are those of `step` (the latest by
         default; the EMA copy when `ema`, which raises when the run keeps none), and the run's
-        tokenizer and sampling defaults come along.
+        tokenizer and sampling defaults come along. A run that trained a LoRA adapter gives its
+        `AdaptedDecoder`: the base loaded again from where run.json names it, with the run's factors.
         """
         from dew.config.saved import load_run  # a run record sits in the layer below interop
 
         saved = load_run(run, step=step)
         model = saved.config.model.build()
+        if isinstance(model, LoRADecoder):
+            return cls._adapted_from_run(run, saved, model, ema)
         if not isinstance(model, CausalTransformer):
             raise ValueError(f"{run} is not a decoder run (its model is {type(model).__name__}); export reads decoders.")
         state = saved.state()
@@ -403,7 +417,30 @@ class PretrainedDecoder(Pretrained):
                     generation_config[name] = getattr(sampling, name)
         return cls.from_model(model, variables, tokenizer=saved.tokenizer(), generation_config=generation_config)
 
+    @classmethod
+    def _adapted_from_run(cls, run: str | Path, saved: Any, model: LoRADecoder, ema: bool) -> Any:
+        """An adapted run: its base loaded from where run.json names it, with the run's factors."""
+        if model.base is None:
+            raise ValueError(
+                f"{run} trains a LoRA adapter, but its run.json names no base checkpoint to load the "
+                "frozen weights from; record the model of a bundle from Pretrained.load(...).adapt(...)"
+            )
+        state = saved.state()
+        if ema and state.ema is None:
+            raise ValueError(f"ema=True asks for {run}'s moving-average factors, but the run keeps no EMA copy; pass ema=False (dew export --live).")
+        factors = (state.averaged if ema else state.variables)["params"]
+        decoder = model.model
+        base = cls.load(model.base, dtype=decoder.dtype, param_dtype=decoder.param_dtype,
+                        max_seq_len=decoder.max_seq_len, scan_layers=decoder.scan_layers)
+        return adapted.restore(base, model, factors)
+
     # --- use ------------------------------------------------------------------------------------
+
+    def adapt(self, lora: Any, *, key: Any = None) -> Any:
+        """This decoder with a LoRA adapter (`dew.nn.adapters.LoRA`): an `AdaptedDecoder` whose
+        objective trains the adapter's factors alone. ``key`` (an int seed or a key) draws fresh
+        factors; a ``LoRA.load(directory)`` brings a PEFT adapter's trained factors (no key)."""
+        return adapted.adapt(self, lora, key=key)
 
     def default_sampling(self) -> Any:
         """The checkpoint's generation defaults as a Sampling: greedy unless it says do_sample."""

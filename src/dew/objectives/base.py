@@ -148,6 +148,13 @@ class Objective:
         """Adjust variables after each optimizer update (a target encoder's EMA, say). Pure."""
         return variables
 
+    @property
+    def frozen_collections(self) -> tuple[str, ...]:
+        """Variable collections held fixed at the starting weights (an adapted model's frozen base,
+        `dew.nn.adapters.LoRADecoder`): checkpoints leave them out, and a resumed run takes them
+        from `init` again. Read from the objective's model."""
+        return tuple(getattr(getattr(self, "model", None), "frozen_collections", ()))
+
     #: What to use instead of a generation task, for objectives that have none (said in the error).
     no_task_hint: str = "use the trained variables directly (state.variables, or Checkpoints.restore_variables)"
 

@@ -148,8 +148,10 @@ class LMObjective(Objective):
                 f"(the batch has {sorted(batch)})."
             )
 
-    def token_losses(self, variables, batch):
-        """Per-target cross-entropy `[B, seq_len]` and the float mask of targets that count."""
+    def token_losses(self, variables, batch, key=None):
+        """Per-target cross-entropy `[B, seq_len]` and the float mask of targets that count.
+
+        `key` (training only) is handed to the model as its "dropout" stream."""
         tokens = batch["text"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         kwargs = {}
@@ -163,13 +165,15 @@ class LMObjective(Objective):
             mask = mask * (batch["mask"][:, 1:] > 0)
         if self.loss_role is not None:
             mask = mask * (batch["text_roles"][:, 1:] == self.loss_role)
+        if key is not None:
+            kwargs["rngs"] = {"dropout": key}
         logits = self.model.apply(variables, inputs, **kwargs).astype(jnp.float32)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         losses = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
         return losses, mask
 
     def loss(self, variables, batch, step):
-        losses, mask = self.token_losses(variables, batch)
+        losses, mask = self.token_losses(variables, batch, step.key)
         tokens = jnp.sum(mask)
         loss = jnp.sum(losses * mask) / jnp.maximum(tokens, 1.0)
         return loss, Aux(metrics={"tokens": tokens})

@@ -2,7 +2,8 @@
 
 Both keep the policy they start from as a frozen reference in the "reference" collection of the
 variables, beside "params": it is data to the trainer, so the optimizer never sees it and no
-gradient flows into it. Token log-probabilities come after the next-token shift, as in
+gradient flows into it. A policy that is a base with a LoRA adapter (an `AdaptedDecoder`) keeps no
+copy: its reference is the frozen base it already holds, run with the adapter off. Token log-probabilities come after the next-token shift, as in
 `LMObjective`: a row of `seq_len + 1` ids scores its last `seq_len` ids, and a per-token mask column
 of the same width as the ids marks which of them count (its first entry is never a target).
 """
@@ -90,12 +91,18 @@ class _PolicyObjective(Objective):
         self.tokenizer = tokenizer
         self.ema_decay = ema_decay
 
+    @property
+    def adapted(self) -> bool:
+        """Whether the policy is a base with an adapter (`dew.nn.adapters.LoRADecoder`): its
+        reference is then the base with the adapter off, and no copy of the weights is kept."""
+        return callable(getattr(self.model, "base_variables", None))
+
     def init(self, key, variables=None):
         if variables is None:
             variables = self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
         # A new stage starts from these weights: they become its reference, whatever came before.
         policy = {name: value for name, value in variables.items() if name != REFERENCE}
-        if not self.keeps_reference:
+        if not self.keeps_reference or self.adapted:
             return policy
         reference = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), policy["params"])
         return {**policy, REFERENCE: reference}
@@ -105,13 +112,16 @@ class _PolicyObjective(Objective):
         """The variables without the reference: what the model itself reads."""
         return {name: value for name, value in variables.items() if name != REFERENCE}
 
-    def token_log_probs(self, variables, tokens):
+    def token_log_probs(self, variables, tokens, model=None):
         """log p(tokens[:, t + 1] | tokens[:, :t + 1]) for t < seq_len: `[batch, seq_len]`."""
-        logits = self.model.apply(variables, tokens[:, :-1]).astype(jnp.float32)
+        logits = (model or self.model).apply(variables, tokens[:, :-1]).astype(jnp.float32)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         return jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
 
     def reference_log_probs(self, variables, tokens):
+        if self.adapted:  # the base with the adapter off: the frozen weights the policy already holds
+            base = self.model.base_variables(variables)
+            return jax.lax.stop_gradient(self.token_log_probs(base, tokens, model=self.model.model))
         if REFERENCE not in variables:
             raise ValueError(
                 f"{type(self).__name__} needs the frozen reference in variables['{REFERENCE}']; "

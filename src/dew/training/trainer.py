@@ -216,7 +216,7 @@ class Trainer:
         latest = None if self.checkpoints is None else self.checkpoints.latest()
         if latest is None:
             return self.init_state(), None, None
-        abstract = self._abstract_with_shardings()
+        abstract = self._saved(self._abstract_with_shardings())
         try:
             state, position = self.checkpoints.restore(abstract, latest)
         except CheckpointCorrupted as damaged:
@@ -229,8 +229,23 @@ class Trainer:
             warnings.warn(message, stacklevel=3)
             self._log(CheckpointRejected(step=damaged.step, message=message, restored_step=step))
             state, position = self.checkpoints.restore(abstract, step)
-            return state, position, step
-        return state, position, latest
+            return self._with_frozen(state), position, step
+        return self._with_frozen(state), position, latest
+
+    def _saved(self, state: TrainState) -> TrainState:
+        """The part of a state a checkpoint holds: all but the objective's frozen collections."""
+        frozen = self.objective.frozen_collections
+        if not frozen:
+            return state
+        return state.replace(variables={k: v for k, v in state.variables.items() if k not in frozen})
+
+    def _with_frozen(self, restored: TrainState) -> TrainState:
+        """A restored state completed with the frozen collections, taken from `init` again."""
+        frozen = self.objective.frozen_collections
+        if not frozen:
+            return restored
+        fresh = self.init_state().variables
+        return restored.replace(variables={**restored.variables, **{k: fresh[k] for k in frozen}})
 
     # ----------------------------------------------------------------------------------------
     # The step.
@@ -531,7 +546,7 @@ class Trainer:
                 if saving:
                     drain()  # never save a state whose loss is not finite
                     with self._stopping_on_save_failure():
-                        self.checkpoints.save(state, position)
+                        self.checkpoints.save(self._saved(state), position)
                     last_checkpoint = step
                     self._log(CheckpointSaved(step=step, directory=str(self.checkpoints.directory)))
                 if step % log_every == 0 or step == steps:

@@ -1,0 +1,363 @@
+"""Low-rank adapters (LoRA; Hu et al. 2021, arXiv:2106.09685) on a model's linear projections.
+
+An adapted projection computes ``y = x W + b + (alpha / rank) * dropout(x) A B``, with ``A [in, rank]``
+and ``B [rank, out]``: the transposes of PEFT's ``lora_A.weight [rank, in]`` and
+``lora_B.weight [out, rank]``. ``B`` starts at zero, so an adapted model starts as its base.
+
+`LoRA` holds the adapter's settings. `LoRADecoder` wraps a decoder so that its variables are
+``{"params": factors, "base": frozen weights}``: a trainer differentiates and optimizes
+``"params"`` only, so the base gets no gradient and no optimizer state, and may be stored in
+bfloat16 while the factors stay float32. The base module itself is not changed: the low-rank path
+is added to the output of every adapted ``nn.Dense`` by a Flax method interceptor, which reads the
+factors from a ``"lora"`` collection laid out like the params. A model with ``scan_layers=True``
+stacks its layers inside ``nn.scan``, which the interceptor cannot see into, so there the
+factors are folded into the kernels (``W + (alpha / rank) A B``) before the forward pass instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+from flax.core import meta
+
+from dew.checks import count
+
+INITS = ("kaiming", "gaussian")
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# PEFT LoraConfig options Dew does not implement, with the values that leave each off.
+UNSUPPORTED_PEFT_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "use_dora": (False, None),
+    "use_rslora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "bias": ("none", None),
+    "lora_bias": (False, None),
+    "modules_to_save": (None, ()),
+    "layers_to_transform": (None, ()),
+    "layers_pattern": (None, ()),
+    "rank_pattern": (None, {}),
+    "alpha_pattern": (None, {}),
+    "exclude_modules": (None, ()),
+    "layer_replication": (None, ()),
+    "target_parameters": (None, ()),
+    "trainable_token_indices": (None, ()),
+    "alora_invocation_tokens": (None, ()),
+    "use_qalora": (False, None),
+    "use_bdlora": (False, None),
+    "megatron_config": (None, {}),
+    "arrow_config": (None, {}),
+}
+# PEFT initializations that rewrite the base weights too, so their adapters only fit a changed base.
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """A low-rank adapter's settings.
+
+    Attributes:
+      rank: the inner width of each ``A B`` pair.
+      alpha: the scale numerator; the low-rank path is multiplied by ``alpha / rank``
+        (None: ``alpha = rank``, a scale of 1).
+      dropout: dropout on the adapter's input while training (PEFT's ``lora_dropout``).
+      modules: the projections to adapt by Hugging Face module name (``q_proj`` ... ``down_proj``;
+        a name matches a module whose name ends with it), or one string: a regular expression
+        the whole module name must match, or ``"all-linear"`` for every projection but the head.
+      init: ``"kaiming"`` (``A`` uniform in ``±1/sqrt(in)``, PEFT's default) or ``"gaussian"``
+        (``A`` normal with std ``1/rank``); ``B`` always starts at zero.
+      weights: a PEFT adapter directory whose trained factors `adapt` loads (set by `LoRA.load`);
+        None draws fresh factors.
+      base: the base checkpoint the adapter was made for (``base_model_name_or_path``); adapting
+        a base of another name raises. None skips the check.
+    """
+
+    rank: int
+    alpha: float | None = None
+    dropout: float = 0.0
+    modules: tuple[str, ...] | str = ("q_proj", "v_proj")
+    init: str = "kaiming"
+    weights: str | None = None
+    base: str | None = None
+
+    def __post_init__(self):
+        count(self.rank, "LoRA rank")
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                                       or not self.alpha > 0):
+            raise ValueError(f"LoRA alpha must be a positive number (or None for alpha = rank); got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be a probability in [0, 1); got {self.dropout!r}")
+        if self.init not in INITS:
+            raise ValueError(f"LoRA init must be one of {INITS}; got {self.init!r}")
+        modules = self.modules
+        if isinstance(modules, str):
+            if modules != ALL_LINEAR:
+                try:
+                    re.compile(modules)
+                except re.error as error:
+                    raise ValueError(f"LoRA modules={modules!r} is neither a module name tuple nor a valid "
+                                     f"regular expression ({error}); pass a tuple such as ('q_proj', 'v_proj')") from None
+        else:
+            modules = tuple(modules)
+            if not modules or not all(isinstance(m, str) and m for m in modules):
+                raise ValueError(f"LoRA modules must be a non-empty tuple of module names such as "
+                                 f"('q_proj', 'v_proj'); got {self.modules!r}")
+            object.__setattr__(self, "modules", modules)
+
+    @property
+    def scaling(self) -> float:
+        """The factor on the low-rank path: ``alpha / rank``."""
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
+
+    def selects(self, module_name: str, all_linear: Sequence[str]) -> bool:
+        """Whether the Hugging Face module ``module_name`` (``model.layers.0.self_attn.q_proj``) is
+        adapted, by PEFT's rules: a name in the tuple matches the whole name or its last parts; a
+        string is matched against the whole name; ``all-linear`` takes the names in ``all_linear``."""
+        if self.modules == ALL_LINEAR:
+            return module_name in all_linear
+        if isinstance(self.modules, str):
+            return re.fullmatch(self.modules, module_name) is not None
+        return any(module_name == m or module_name.endswith("." + m) for m in self.modules)
+
+    def init_factors(self, key: jax.Array, kernel: jax.ShapeDtypeStruct | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Fresh float32 ``(A, B)`` for a kernel ``[..., in, out]`` (leading axes: stacked layers)."""
+        *lead, fan_in, fan_out = kernel.shape
+        if self.init == "kaiming":
+            bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) of a [rank, in] weight
+            a = jax.random.uniform(key, (*lead, fan_in, self.rank), jnp.float32, -bound, bound)
+        else:
+            a = jax.random.normal(key, (*lead, fan_in, self.rank), jnp.float32) / self.rank
+        return a, jnp.zeros((*lead, self.rank, fan_out), jnp.float32)
+
+    # --- PEFT's adapter_config.json ---------------------------------------------------------------
+
+    @classmethod
+    def load(cls, directory: str | Path, *, check_base: bool = True) -> "LoRA":
+        """The settings of a PEFT LoRA adapter directory (adapter_config.json); `adapt` then reads
+        its factors from adapter_model.safetensors. ``check_base=False`` loads it onto a base of
+        another name (the tensor shapes are still checked).
+
+        Raises on a PEFT option Dew does not implement (DoRA, rsLoRA, per-module ranks, ...).
+        """
+        directory = Path(directory).expanduser()
+        path = directory / CONFIG_FILE
+        if not path.is_file():
+            present = sorted(p.name for p in directory.iterdir())[:12] if directory.is_dir() else "nothing"
+            raise FileNotFoundError(
+                f"no {CONFIG_FILE} in {directory} (it holds {present}); a PEFT adapter directory holds "
+                f"{CONFIG_FILE} beside {WEIGHTS_FILE}, as PeftModel.save_pretrained writes it"
+            )
+        if not (directory / WEIGHTS_FILE).is_file():
+            raise FileNotFoundError(
+                f"no {WEIGHTS_FILE} in {directory}; Dew reads adapter weights only as safetensors "
+                "(save the adapter with safe_serialization=True)"
+            )
+        config = json.loads(path.read_text())
+        return cls.from_peft_config(config, weights=str(directory), where=str(path), check_base=check_base)
+
+    @classmethod
+    def from_peft_config(cls, config: Mapping[str, Any], *, weights: str | None = None,
+                         where: str = CONFIG_FILE, check_base: bool = True) -> "LoRA":
+        """A LoRA from the fields of a PEFT ``LoraConfig`` (as adapter_config.json holds them)."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"{where} must hold a JSON object; got {type(config).__name__}")
+        kind = config.get("peft_type", "LORA")
+        if kind != "LORA":
+            raise ValueError(f"{where} describes a {kind} adapter; Dew loads LoRA adapters (peft_type 'LORA')")
+        task = config.get("task_type")
+        if task not in (None, "CAUSAL_LM"):
+            raise ValueError(f"{where} has task_type={task!r}; Dew adapts decoders (task_type 'CAUSAL_LM')")
+        active = {name: config[name] for name, off in UNSUPPORTED_PEFT_OPTIONS.items()
+                  if name in config and config[name] not in off}
+        if active:
+            raise ValueError(
+                f"{where} sets {active}, which Dew's LoRA does not implement, so the adapter would "
+                "compute something else here; only plain LoRA (every such option off) loads"
+            )
+        init = config.get("init_lora_weights", True)
+        if isinstance(init, str) and init.split("_")[0].lower() in BASE_CHANGING_INITS:
+            raise ValueError(
+                f"{where} has init_lora_weights={init!r}, which also rewrites the base weights, so its "
+                "factors only fit that rewritten base; convert it to a plain LoRA adapter with PEFT "
+                "(path_initial_model_for_weight_conversion) first"
+            )
+        rank = config.get("r")
+        targets = config.get("target_modules")
+        if targets is None:
+            raise ValueError(f"{where} names no target_modules; Dew needs the modules the adapter covers")
+        modules = targets if isinstance(targets, str) else tuple(sorted(targets))
+        return cls(
+            rank=rank,
+            alpha=config.get("lora_alpha", 8),
+            dropout=float(config.get("lora_dropout") or 0.0),
+            modules=modules,
+            init="gaussian" if init == "gaussian" else "kaiming",
+            weights=weights,
+            base=config.get("base_model_name_or_path") if check_base else None,
+        )
+
+    def peft_config(self, base: str | None, targets: Sequence[str]) -> dict[str, Any]:
+        """adapter_config.json for PEFT: ``targets`` are the module names the adapter covers."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base,
+            "r": self.rank,
+            "lora_alpha": self.rank if self.alpha is None else self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": sorted(targets),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_dora": False,
+            "use_rslora": False,
+            "init_lora_weights": "gaussian" if self.init == "gaussian" else True,
+            "modules_to_save": None,
+            "layers_to_transform": None,
+            "layers_pattern": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "inference_mode": True,
+            "revision": None,
+        }
+
+
+# --- the adapted model ----------------------------------------------------------------------------
+
+
+def factor_path(kernel_path: str) -> str:
+    """Where a kernel's factors live: ``layers_0/self_attn/q_proj/kernel`` -> ``layers_0/self_attn/q_proj``."""
+    return kernel_path.rsplit("/", 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRADecoder:
+    """A decoder with low-rank adapters on the kernels ``targets`` (``layers_0/self_attn/q_proj/kernel``).
+
+    Its variables are ``{"params": factors, "base": the decoder's params}``, factors laid out like
+    the params (``layers_0/self_attn/q_proj/lora_A``). ``apply`` takes the decoder's arguments and
+    returns what it returns; ``rngs={"dropout": key}`` turns the adapter's dropout on. ``base``
+    names the checkpoint (directory or Hub id) the frozen weights come from, so a run record of
+    this model references the base instead of copying it.
+    """
+
+    model: Any
+    lora: LoRA
+    targets: tuple[str, ...]
+    base: str | None = None
+
+    #: collections held fixed from the starting weights: a trainer neither trains nor saves them
+    frozen_collections: ClassVar[tuple[str, ...]] = ("base",)
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not self.targets:
+            raise ValueError("LoRADecoder needs at least one kernel to adapt; targets is empty")
+        if getattr(self.model, "scan_layers", False) and self.lora.dropout:
+            raise ValueError(
+                f"LoRA dropout={self.lora.dropout} needs a model with scan_layers=False: a scanned "
+                "model's factors are folded into its kernels, where no dropout on the adapter's "
+                "input can be applied. Load the checkpoint with scan_layers=False or use dropout=0"
+            )
+
+    # what generation and the objectives read from a decoder
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    def init_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.init_cache(*args, **kwargs)
+
+    def init(self, key: jax.Array, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Fresh variables: the decoder's own init as the base, fresh factors (with the kernels'
+        logical axis names, the rank axis unnamed)."""
+        base_key, factor_key = jax.random.split(key)
+        base = self.model.init(base_key, *args, **kwargs)["params"]
+        flat = traverse_util.flatten_dict(dict(base), sep="/")
+        self._check_targets(flat)
+        factors = {}
+        for index, path in enumerate(self.targets):
+            kernel = flat[path]
+            a, b = self.lora.init_factors(jax.random.fold_in(factor_key, index), meta.unbox(kernel))
+            if isinstance(kernel, meta.Partitioned):
+                names = tuple(kernel.names)
+                a = meta.Partitioned(a, names=names[:-1] + (None,), mesh=kernel.mesh)
+                b = meta.Partitioned(b, names=names[:-2] + (None, names[-1]), mesh=kernel.mesh)
+            factors[f"{factor_path(path)}/lora_A"] = a
+            factors[f"{factor_path(path)}/lora_B"] = b
+        return {"params": traverse_util.unflatten_dict(factors, sep="/"), "base": base}
+
+    def _check_targets(self, flat: Mapping[str, Any]) -> None:
+        missing = [path for path in self.targets if path not in flat]
+        if missing:
+            raise ValueError(f"the adapter targets kernels {missing[:4]} that the model does not have")
+
+    def apply(self, variables: Mapping[str, Any], *args: Any, rngs: Any = None, **kwargs: Any) -> Any:
+        """The decoder's forward pass with the adapters; takes and returns what the decoder does."""
+        base, factors = _split(variables)
+        if getattr(self.model, "scan_layers", False):
+            return self.model.apply({"params": merge(base, factors, self.lora.scaling)}, *args, **kwargs)
+        with nn.intercept_methods(self._add_low_rank_path):
+            return self.model.apply({"params": base, "lora": factors}, *args, rngs=rngs, **kwargs)
+
+    def _add_low_rank_path(self, next_fun, args, kwargs, context):
+        """Flax interceptor: an adapted ``nn.Dense`` returns ``x W + b + scaling * dropout(x) A B``."""
+        module = context.module
+        if (context.method_name != "__call__" or not isinstance(module, nn.Dense)
+                or not module.has_variable("lora", "lora_A")):
+            return next_fun(*args, **kwargs)
+        y = next_fun(*args, **kwargs)
+        x = args[0] if args else kwargs["inputs"]
+        rate = self.lora.dropout
+        if rate and module.has_rng("dropout"):
+            keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, x.shape)
+            x = jnp.where(keep, x / (1.0 - rate), 0)
+        a = module.get_variable("lora", "lora_A").astype(y.dtype)
+        b = module.get_variable("lora", "lora_B").astype(y.dtype)
+        return y + (x.astype(y.dtype) @ a @ b) * jnp.asarray(self.lora.scaling, y.dtype)
+
+    def base_variables(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """The decoder's own variables with the adapter off: ``{"params": the frozen base}``."""
+        return {"params": _split(variables)[0]}
+
+    def merge(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """The decoder's own variables with the factors folded in: ``W + scaling * A B`` per target,
+        in the base's dtype (so a bfloat16 base rounds the sum)."""
+        base, factors = _split(variables)
+        return {"params": merge(base, factors, self.lora.scaling)}
+
+
+def _split(variables: Mapping[str, Any]) -> tuple[Any, Any]:
+    if not isinstance(variables, Mapping) or "params" not in variables or "base" not in variables:
+        got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+        raise ValueError(
+            "an adapted model's variables are {'params': the factors, 'base': the frozen weights}; "
+            f"got {got}. Pass the adapted bundle's variables (or state.variables of its run)"
+        )
+    return jax.lax.stop_gradient(variables["base"]), variables["params"]
+
+
+def merge(base: Mapping[str, Any], factors: Mapping[str, Any], scaling: float) -> dict[str, Any]:
+    """``base`` params with each adapted kernel replaced by ``W + scaling * A B`` (in W's dtype)."""
+    flat = traverse_util.flatten_dict(dict(base), sep="/")
+    flat_factors = traverse_util.flatten_dict(dict(factors), sep="/")
+    for path in [p for p in flat_factors if p.endswith("/lora_A")]:
+        module = path[: -len("/lora_A")]
+        kernel = flat[f"{module}/kernel"]
+        delta = jnp.matmul(flat_factors[path], flat_factors[f"{module}/lora_B"]) * scaling
+        flat[f"{module}/kernel"] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+    return traverse_util.unflatten_dict(flat, sep="/")

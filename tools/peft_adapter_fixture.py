@@ -1,0 +1,76 @@
+"""Train a PEFT LoRA adapter on the tiny Llama fixture and record what it computes.
+
+Writes tests/fixtures/peft/llama-lora/, read by tests/test_lora.py:
+
+    adapter_config.json, adapter_model.safetensors   (PeftModel.save_pretrained)
+    reference.npz   input_ids [2, 12], the adapted model's logits [2, 12, vocab] and the base's
+
+The adapter covers every projection (q, k, v, o, gate, up, down) at rank 4 with alpha 8, so its
+scale is 2 (a load that drops the scale is caught), and is trained with AdamW for a few steps on
+random tokens, so both factors are far from their initial values (lora_B starts at zero).
+The base is tests/fixtures/hf/llama (written by tools/hf_decoder_fixtures.py); its name in
+adapter_config.json is that path relative to the repository.
+
+Run with the reference environment (torch CPU, transformers, peft), from anywhere:
+
+    .venv-ref/bin/python tools/peft_adapter_fixture.py
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+import numpy as np
+import peft
+import torch
+import transformers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BASE = "tests/fixtures/hf/llama"
+OUT = ROOT / "tests/fixtures/peft/llama-lora"
+SEED = 7
+STEPS = 20
+
+
+def main() -> None:
+    os.chdir(ROOT)  # so the adapter names its base by the relative path
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    adapted = peft.get_peft_model(model, config)
+    rng = np.random.default_rng(SEED)
+    vocab = model.config.vocab_size
+    train = torch.from_numpy(rng.integers(3, vocab, size=(4, 16)).astype(np.int64))
+    optimizer = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=3e-2)
+    adapted.train()
+    for _ in range(STEPS):
+        loss = adapted(input_ids=train, labels=train).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    adapted.eval()
+
+    input_ids = torch.from_numpy(rng.integers(3, vocab, size=(2, 12)).astype(np.int64))
+    with torch.no_grad():
+        logits = adapted(input_ids=input_ids).logits.float().numpy()
+        with adapted.disable_adapter():
+            base_logits = adapted(input_ids=input_ids).logits.float().numpy()
+
+    shutil.rmtree(OUT, ignore_errors=True)
+    adapted.save_pretrained(OUT, safe_serialization=True)
+    (OUT / "README.md").unlink(missing_ok=True)  # PEFT's model card template, not needed
+    np.savez_compressed(OUT / "reference.npz", input_ids=input_ids.numpy().astype(np.int32),
+                        logits=logits.astype(np.float32), base_logits=base_logits.astype(np.float32))
+    size = sum(path.stat().st_size for path in OUT.iterdir())
+    print(f"final loss {loss.item():.4f}; adapted vs base logits differ by up to "
+          f"{np.abs(logits - base_logits).max():.3f}; {size / 1024:.0f} KiB in {OUT}")
+
+
+if __name__ == "__main__":
+    main()
