@@ -114,6 +114,23 @@ def test_calling_the_model_reconstructs_through_a_posterior_draw(loaded):
     assert drawn.shape == images.shape and np.abs(np.asarray(drawn) - ref["decoded"]).max() > 1e-3
 
 
+def test_latent_diffusion_trains_through_the_autoencoder(loaded):
+    from dew.diffusion.presets import Flow
+    from dew.nn.backbones.dit import SimpleDiT
+    from dew.objectives.base import Field, InputSpec, Step
+    from dew.objectives.diffusion import DiffusionObjective
+
+    vae = loaded["sd"]
+    diffusion = DiffusionObjective(SimpleDiT(patch_size=2, emb_features=32, num_layers=1, num_heads=2), Flow(),
+                                   InputSpec(Field("image", (16, 16, 3))), autoencoder=vae)
+    assert diffusion.model_shape == (4, 4, 4)
+    variables = jax.jit(diffusion.init)(jax.random.key(0))
+    images = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
+    loss, _ = jax.jit(diffusion.loss)(variables, {"image": images}, Step(jnp.int32(0), jax.random.key(1)))
+    assert np.isfinite(float(loss))
+    assert diffusion.task(variables).autoencoder is vae  # the task decodes its latents with the VAE
+
+
 def test_bad_input_is_refused_with_the_fix(loaded, tmp_path):
     vae = loaded["sd"]
     with pytest.raises(ValueError, match="multiples of 4"):

@@ -24,9 +24,13 @@ from dew.tracking.records import Artifact
 
 
 class Autoencoder(Protocol):
-    """What latent diffusion needs from a (frozen) autoencoder: its weights live inside it."""
+    """What latent diffusion needs from a (frozen) autoencoder: its weights live inside it.
 
-    def encode(self, images: jax.Array) -> jax.Array: ...
+    `encode` returns the posterior mean without a key and a posterior draw with one
+    (`dew.interop.autoencoders.PretrainedAutoencoder` is one).
+    """
+
+    def encode(self, images: jax.Array, key: jax.Array | None = None) -> jax.Array: ...
 
     def decode(self, latents: jax.Array) -> jax.Array: ...
 
