@@ -151,6 +151,25 @@ def test_bad_input_is_refused_with_the_fix(loaded, tmp_path):
         PretrainedTextEncoder.load(other)
 
 
+def test_buffers_and_the_image_tower_of_a_released_checkpoint_are_skipped(tmp_path):
+    """SD 1.x's text encoder carries a position_ids buffer; a CLIPModel also its image tower."""
+    from dew.interop.safetensors_io import SafetensorsFile, save_file
+
+    target = tmp_path / "released"
+    shutil.copytree(FIXTURES / "clip", target)
+    tensors = dict(SafetensorsFile(FIXTURES / "clip" / "model.safetensors").items())
+    tensors["text_model.embeddings.position_ids"] = np.arange(16, dtype=np.int64)[None]
+    tensors["vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+    tensors["logit_scale"] = np.zeros((), np.float32)
+    save_file(tensors, target / "model.safetensors")
+    ref = reference("clip")
+    text_config = json.loads((target / "config.json").read_text())
+    for config in (text_config, {"model_type": "clip", "projection_dim": 24, "text_config": text_config}):
+        (target / "config.json").write_text(json.dumps(config))
+        encoder = PretrainedTextEncoder.load(target)
+        close(encoder.model.apply(encoder.variables, jnp.asarray(ref["input_ids"])).projected, ref["projected"])
+
+
 @pytest.mark.reference
 def test_transformers_reads_what_dew_saves(loaded, tmp_path):
     torch = pytest.importorskip("torch")

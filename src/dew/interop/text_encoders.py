@@ -82,6 +82,11 @@ def clip_name(path: tuple[str, ...]) -> str:
     return ".".join(["text_model", head, *rest[:-1], leaf])
 
 
+def _clip_ignored(name: str) -> bool:
+    """A CLIPModel's image tower, and the position-id buffer older transformers versions saved."""
+    return name.startswith(("vision_model.", "visual_projection.", "logit_scale")) or name.endswith(".position_ids")
+
+
 # --- T5 -------------------------------------------------------------------------------------------
 
 
@@ -191,7 +196,7 @@ class PretrainedTextEncoder:
         if model_type in ("clip_text_model", "clip"):
             model = CLIPTextEncoder(**clip_kwargs(config, "text_projection.weight" in checkpoint),
                                     dtype=dtype, param_dtype=param_dtype)
-            name, ignored = clip_name, lambda n: n.startswith(("vision_model.", "visual_projection.", "logit_scale"))
+            name, ignored = clip_name, _clip_ignored
         elif model_type == "t5":
             model = T5Encoder(**t5_kwargs(config), dtype=dtype, param_dtype=param_dtype)
             name, ignored = t5_name, _t5_ignored
