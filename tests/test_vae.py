@@ -150,6 +150,9 @@ def test_bad_input_is_refused_with_the_fix(loaded, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "layers_per_block": 1}))
     with pytest.raises(ValueError, match="unexpected tensors"):
         PretrainedAutoencoder.load(other)
+    (other / "config.json").write_text(json.dumps({**config, "latent_channels": 8}))
+    with pytest.raises(ValueError, match=r"'decoder.conv_in.weight' .* has shape \[16, 4, 3, 3\], but config.json implies \[16, 8, 3, 3\]"):
+        PretrainedAutoencoder.load(other)
     (other / "config.json").write_text(json.dumps({**config, "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}))
     with pytest.raises(ValueError, match="latents_mean"):
         PretrainedAutoencoder.load(other)

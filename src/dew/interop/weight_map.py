@@ -43,6 +43,15 @@ def _to_flax(path: Path, array: np.ndarray) -> np.ndarray:
     return array
 
 
+def _torch_shape(path: Path, shape: tuple[int, ...]) -> list[int]:
+    """The shape a param of ``shape`` has in the torch checkpoint."""
+    if path[-1] == "kernel" and len(shape) == 2:
+        return [shape[1], shape[0]]
+    if path[-1] == "kernel" and len(shape) == 4:
+        return [shape[3], shape[2], shape[0], shape[1]]
+    return list(shape)
+
+
 def _some(names: list[str], limit: int = 6) -> str:
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return f"{names[:limit]}{more}"
@@ -65,13 +74,13 @@ def read_params(checkpoint: Mapping[str, np.ndarray], expected: Mapping[Path, An
         )
     flat = {}
     for path, spec in expected.items():
-        array = _to_flax(path, np.asarray(checkpoint[names[path]]))
-        if tuple(array.shape) != tuple(spec.shape):
+        array = np.asarray(checkpoint[names[path]])
+        if list(array.shape) != _torch_shape(path, tuple(spec.shape)):
             raise ValueError(
-                f"tensor {names[path]!r} in {where} has shape {list(_to_torch(path, array).shape)}, but "
-                f"config.json implies {list(_to_torch(path, np.zeros(spec.shape, np.int8)).shape)}; "
-                "the weights and the config disagree"
+                f"tensor {names[path]!r} in {where} has shape {list(array.shape)}, but config.json "
+                f"implies {_torch_shape(path, tuple(spec.shape))}; the weights and the config disagree"
             )
+        array = _to_flax(path, array)
         flat[path] = jnp.asarray(np.asarray(array, dtype=jnp.dtype(param_dtype)))
     return traverse_util.unflatten_dict(flat)
 
