@@ -114,6 +114,19 @@ def test_relative_buckets_follow_t5s_rule():
     assert list(column[1:8]) == list(range(1, 8)) and column[199] == 15
 
 
+@pytest.mark.parametrize("projection, act, gated", [
+    ("relu", "relu", False), ("gelu", "gelu", False), ("gated-gelu", "gelu_new", True),
+    ("gated-silu", "silu", True), ("gated-gelu_new", "gelu_new", True)])
+def test_t5_feed_forward_names_read_as_transformers_reads_them(projection, act, gated):
+    from dew.interop.text_encoders import t5_config, t5_kwargs
+    from dew.nn.text_encoders.t5 import T5Encoder
+
+    kwargs = t5_kwargs({"feed_forward_proj": projection})
+    assert (kwargs["act"], kwargs["gated"]) == (act, gated)
+    assert t5_kwargs(t5_config(T5Encoder(**kwargs), None)) == kwargs  # a save reads back the same
+    assert kwargs["d_model"] == 512 and kwargs["relative_attention_num_buckets"] == 32  # T5Config's defaults
+
+
 def test_save_then_load_gives_the_same_outputs(loaded, tmp_path):
     for name in ("clip", "t5"):
         encoder, ref = loaded[name], reference(name)

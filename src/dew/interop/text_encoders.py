@@ -36,18 +36,26 @@ MODEL_TYPES = ("clip_text_model", "clip", "t5")
 # --- CLIP -----------------------------------------------------------------------------------------
 
 
+# transformers' CLIPTextConfig defaults, for the keys a config.json may leave out
+CLIP_DEFAULTS = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, projection_dim=512,
+                     num_hidden_layers=12, num_attention_heads=8, max_position_embeddings=77,
+                     hidden_act="quick_gelu", layer_norm_eps=1e-5, eos_token_id=49407)
+
+
 def clip_kwargs(config: Mapping[str, Any], has_projection: bool) -> dict[str, Any]:
     """CLIPTextEncoder arguments from a CLIPTextConfig (or a CLIPConfig's text_config)."""
-    text = config.get("text_config") or config if config.get("model_type") == "clip" else config
+    text = (config.get("text_config") or {}) if config.get("model_type") == "clip" else config
+    text = {**CLIP_DEFAULTS, **{key: value for key, value in text.items() if value is not None}}
+    eos = text["eos_token_id"]
     kwargs = dict(
         vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
         intermediate_size=text["intermediate_size"], num_layers=text["num_hidden_layers"],
         num_heads=text["num_attention_heads"], max_position_embeddings=text["max_position_embeddings"],
-        hidden_act=text.get("hidden_act", "quick_gelu"), layer_norm_eps=text.get("layer_norm_eps", 1e-5),
-        eos_token_id=text.get("eos_token_id", 2),
+        hidden_act=text["hidden_act"], layer_norm_eps=text["layer_norm_eps"],
+        eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
     )
     if has_projection:
-        kwargs["projection_dim"] = config.get("projection_dim") or text.get("projection_dim")
+        kwargs["projection_dim"] = config.get("projection_dim") or text["projection_dim"]
     return kwargs
 
 
@@ -90,30 +98,41 @@ def _clip_ignored(name: str) -> bool:
 # --- T5 -------------------------------------------------------------------------------------------
 
 
+# transformers' T5Config defaults, for the keys a config.json may leave out
+T5_DEFAULTS = dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,
+                   relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                   layer_norm_epsilon=1e-6, feed_forward_proj="relu")
+
+
 def t5_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     """T5Encoder arguments from a T5Config (``feed_forward_proj``: "relu", "gated-gelu", ...)."""
-    projection = config.get("feed_forward_proj", "relu")
+    config = {**T5_DEFAULTS, **{key: value for key, value in config.items() if value is not None}}
+    projection = config["feed_forward_proj"]
     gated = projection.startswith("gated-")
-    act = projection.split("-", 1)[1] if gated else projection
-    if act == "gelu":  # transformers maps T5's "gated-gelu" to the tanh GELU
+    act = projection.split("-")[-1]
+    if projection == "gated-gelu":  # transformers reads this one as the tanh GELU
         act = "gelu_new"
-    return dict(
-        vocab_size=config["vocab_size"], d_model=config["d_model"], d_kv=config["d_kv"],
-        num_heads=config["num_heads"], d_ff=config["d_ff"], num_layers=config["num_layers"],
-        relative_attention_num_buckets=config.get("relative_attention_num_buckets", 32),
-        relative_attention_max_distance=config.get("relative_attention_max_distance", 128),
-        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6), act=act, gated=gated,
-    )
+    return dict(act=act, gated=gated, **{key: config[key] for key in T5_DEFAULTS if key != "feed_forward_proj"})
 
 
 def t5_config(model: T5Encoder, tokenizer: CaptionTokens | None) -> dict[str, Any]:
-    act = "gelu" if model.act == "gelu_new" else model.act
+    if model.gated and model.act == "gelu":
+        raise ValueError(
+            "transformers reads feed_forward_proj='gated-gelu' as the tanh GELU, so a T5Encoder with "
+            "gated=True, act='gelu' (exact) cannot be saved in its layout; use act='gelu_new'"
+        )
+    if model.gated and model.act == "gelu_new":
+        projection = "gated-gelu"
+    elif model.gated:
+        projection = f"gated-{model.act}"
+    else:
+        projection = model.act
     config = {
         "model_type": "t5", "architectures": ["T5EncoderModel"], "vocab_size": model.vocab_size,
         "d_model": model.d_model, "d_kv": model.d_kv, "num_heads": model.num_heads, "d_ff": model.d_ff,
         "num_layers": model.num_layers, "relative_attention_num_buckets": model.relative_attention_num_buckets,
         "relative_attention_max_distance": model.relative_attention_max_distance,
-        "layer_norm_epsilon": model.layer_norm_epsilon, "feed_forward_proj": f"gated-{act}" if model.gated else act,
+        "layer_norm_epsilon": model.layer_norm_epsilon, "feed_forward_proj": projection,
         "is_encoder_decoder": False, "use_cache": False,
     }
     if tokenizer is not None:
