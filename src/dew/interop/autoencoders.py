@@ -30,9 +30,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "AutoencoderKL"
 
-# config.json settings Dew's AutoencoderKL takes as they are
-_SETTINGS = ("in_channels", "out_channels", "layers_per_block", "latent_channels", "norm_num_groups",
-             "use_quant_conv", "use_post_quant_conv", "mid_block_add_attention")
+# config.json settings Dew's AutoencoderKL takes as they are, with diffusers' defaults for absent keys
+_SETTINGS = dict(in_channels=3, out_channels=3, layers_per_block=1, latent_channels=4, norm_num_groups=32,
+                 use_quant_conv=True, use_post_quant_conv=True, mid_block_add_attention=True)
 # older diffusers checkpoints name the mid-block attention's projections these ways
 _LEGACY_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
@@ -63,7 +63,7 @@ def model_kwargs(config: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"{where} sets {key}; Dew's {CLASS_NAME} normalizes latents by scaling_factor and "
                 "shift_factor only, so it would hand a diffusion model differently scaled latents"
             )
-    kwargs = {key: config[key] for key in _SETTINGS if key in config}
+    kwargs = {key: config.get(key, default) for key, default in _SETTINGS.items()}
     kwargs["block_out_channels"] = tuple(int(b) for b in blocks)
     kwargs["scaling_factor"] = float(config.get("scaling_factor", 0.18215))
     kwargs["shift_factor"] = float(config.get("shift_factor") or 0.0)
