@@ -92,6 +92,9 @@ class TextToImage:
         if not entries:
             raise ValueError("Nothing to draw: prompts_or_labels is empty.")
         conditions = self._conditions(entries)
+        if guidance is not None and not guidance.null and self._text_conditions():
+            # the unconditional branch reads the empty caption's encoding, as training dropped to it
+            guidance = dataclasses.replace(guidance, null=self._conditions([None] * len(entries)))
         if guidance is not None and not conditions:
             raise ValueError(
                 "Guidance needs a model trained with conditions, but this task has none to guide "
@@ -106,7 +109,21 @@ class TextToImage:
             x0 = self.autoencoder.decode(x0)
         return Images(jnp.clip(x0, -1.0, 1.0))
 
+    def _text_conditions(self) -> list[Any]:
+        """The conditions that encode prompts themselves (TextCondition: `encode_texts`)."""
+        return [condition for condition in self.conditions.values() if hasattr(condition, "encode_texts")]
+
     def _conditions(self, entries: list[Any]) -> dict[str, jax.Array]:
+        if self._text_conditions():
+            if not all(entry is None or isinstance(entry, str) for entry in entries):
+                raise ValueError(
+                    f"This model is conditioned on captions; got {next(e for e in entries if not isinstance(e, str))!r}. "
+                    "Pass strings (or None for the empty caption)."
+                )
+            encoded = {}
+            for condition in self._text_conditions():
+                encoded.update(condition.encode_texts(entries))
+            return encoded
         if "label" in self.conditions:
             labels = []
             for entry in entries:

@@ -24,9 +24,13 @@ from dew.tracking.records import Artifact
 
 
 class Autoencoder(Protocol):
-    """What latent diffusion needs from a (frozen) autoencoder: its weights live inside it."""
+    """What latent diffusion needs from a (frozen) autoencoder: its weights live inside it.
 
-    def encode(self, images: jax.Array) -> jax.Array: ...
+    `encode` returns the posterior mean without a key and a posterior draw with one
+    (`dew.interop.autoencoders.PretrainedAutoencoder` is one).
+    """
+
+    def encode(self, images: jax.Array, key: jax.Array | None = None) -> jax.Array: ...
 
     def decode(self, latents: jax.Array) -> jax.Array: ...
 
@@ -85,6 +89,9 @@ class DiffusionObjective(Objective):
     def _condition_examples(self, rows: int) -> dict[str, jax.Array]:
         examples = {}
         for name, field in self.inputs.conditions.items():
+            if hasattr(field, "encode"):  # a TextCondition: the encoder's outputs, not the ids
+                examples.update({key: jnp.zeros(spec.shape, spec.dtype) for key, spec in field.examples(rows).items()})
+                continue
             dtype = field.dtype or (jnp.int32 if name == "label" else jnp.float32)
             examples[name] = jnp.zeros((rows,) + tuple(field.shape), dtype)
         return examples
@@ -115,11 +122,16 @@ class DiffusionObjective(Objective):
         if not self.conditional:
             return None
         conditions = {name: batch[name] for name in self.inputs.conditions if name in batch}
-        if key is None or self.unconditional_prob == 0.0:
-            return conditions
-        rows = next(iter(conditions.values())).shape[0]
-        drop = jax.random.bernoulli(key, self.unconditional_prob, (rows,))
+        drop = None
+        if conditions and key is not None and self.unconditional_prob > 0.0:
+            rows = next(iter(conditions.values())).shape[0]
+            drop = jax.random.bernoulli(key, self.unconditional_prob, (rows,))
         dropped = {}
+        for name, field in self.inputs.conditions.items():
+            if hasattr(field, "encode") and name in conditions:  # captions: encoded, dropped to the empty one
+                dropped.update(field.encode(conditions.pop(name), drop))
+        if drop is None:
+            return {**conditions, **dropped}
         for name, value in conditions.items():
             if jnp.issubdtype(value.dtype, jnp.integer):
                 dropped[name] = jnp.where(drop, -1, value)
