@@ -275,3 +275,31 @@ def test_seating_a_row_replaces_it_and_empties_its_later_slots():
     np.testing.assert_array_equal(seated.index, [6, 3])
     np.testing.assert_array_equal(seated.k[0][1, :, :4], 1.0)
     np.testing.assert_array_equal(seated.k[0][0], 9.0)  # the other row is untouched
+
+
+def test_a_failed_step_ends_the_requests_in_flight_and_the_server_keeps_serving(task):
+    async def main():
+        server = Server.from_task(task, slots=2, capacity=48)
+        real_step, calls = server.step, []
+
+        def failing_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("device lost")
+            return real_step()
+
+        server.step = failing_once
+        with pytest.raises(RuntimeError, match="device lost"):
+            [e async for e in server.generate([1, 2, 3], max_new_tokens=4, sampling=SETTINGS[0], seed=0)]
+        after = [e async for e in server.generate([1, 2, 3], max_new_tokens=4, sampling=SETTINGS[0], seed=0)]
+        # a request still waiting when the server stops hears of it
+        waiting = server.generate([4, 5], max_new_tokens=40, sampling=SETTINGS[2], seed=1)
+        await waiting.__anext__()
+        await server.stop()
+        with pytest.raises(RuntimeError, match="stopped"):
+            async for _ in waiting:
+                pass
+        return after
+
+    after = asyncio.run(main())
+    assert len(after) >= 1 and after[-1].finish_reason is not None

@@ -333,14 +333,7 @@ class Server:
                 await task  # ends after the step in flight, if any
             finally:
                 self._stopping = False
-        with self._lock:
-            waiting = list(self._queue) + [r for r in self._rows if r is not None]
-            self._queue.clear()
-            self._rows = [None] * self.slots
-        self._state = dict(self._state, live=jnp.zeros((self.slots,), bool))
-        for request in waiting:
-            if request.listener is not None:
-                request.listener(RuntimeError("the server stopped before this request finished"))
+        self._fail_all(RuntimeError("the server stopped before this request finished"))
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -350,9 +343,25 @@ class Server:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for request, event in await asyncio.to_thread(self.step):
+            try:
+                drawn = await asyncio.to_thread(self.step)
+            except Exception as error:  # noqa: BLE001 - the requests in flight hear of it; the loop goes on
+                self._fail_all(error)
+                continue
+            for request, event in drawn:
                 if request.listener is not None:
                     request.listener(event)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every waiting and running request with `error` and empty the rows."""
+        with self._lock:
+            failed = list(self._queue) + [r for r in self._rows if r is not None]
+            self._queue.clear()
+            self._rows = [None] * self.slots
+        self._state = dict(self._state, live=jnp.zeros((self.slots,), bool))
+        for request in failed:
+            if request.listener is not None:
+                request.listener(error)
 
     async def generate(
         self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int
