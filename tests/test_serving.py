@@ -303,3 +303,18 @@ def test_a_failed_step_ends_the_requests_in_flight_and_the_server_keeps_serving(
 
     after = asyncio.run(main())
     assert len(after) >= 1 and after[-1].finish_reason is not None
+
+
+def test_check_refuses_what_generate_would_refuse_without_queueing_it(task):
+    server = Server.from_task(task, slots=2, capacity=32)
+    request = server.check([1, 2], 5, SETTINGS[0], 0)
+    assert request.max_new_tokens == 5 and server.stats()["queue_depth"] == 0.0
+    with pytest.raises(TypeError, match="Sampling"):
+        server.check([1, 2], 5, {"temperature": 0}, 0)
+
+    async def first_event():
+        stream = server.generate(list(range(40)), max_new_tokens=5, sampling=SETTINGS[0], seed=0)
+        return await stream.__anext__()
+
+    with pytest.raises(ValueError, match="capacity=32"):
+        asyncio.run(first_event())

@@ -184,12 +184,16 @@ class Server:
 
     def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int) -> Request:
         """Queue a request; it is admitted at a step with a free row. Raises when it can never run."""
-        request = self._check(prompt, max_new_tokens, sampling, seed)
+        request = self.check(prompt, max_new_tokens, sampling, seed)
         with self._lock:
             self._queue.append(request)
         return request
 
-    def _check(self, prompt, max_new_tokens, sampling, seed) -> Request:
+    def check(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling, seed: int) -> Request:
+        """The request these arguments make, or a ValueError (TypeError for a wrong Sampling) when it
+        can never run: an empty prompt, ids outside the vocabulary, a budget below 1, a non-int
+        seed, or more tokens than a row holds. `submit` and `generate` check the same way; a caller
+        that must answer before streaming (an HTTP front end) calls it first."""
         max_new_tokens = count(max_new_tokens, "max_new_tokens")
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling; got {type(sampling).__name__}.")
@@ -366,8 +370,10 @@ class Server:
     async def generate(
         self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int
     ) -> AsyncIterator[TokenEvent]:
-        """Stream one request's tokens; closing the iterator early frees its row at the next step."""
-        request = self._check(prompt, max_new_tokens, sampling, seed)
+        """Stream one request's tokens; closing the iterator early frees its row at the next step.
+
+        A request that can never run raises `check`'s error at the first iteration."""
+        request = self.check(prompt, max_new_tokens, sampling, seed)
         await self.start()
         events: asyncio.Queue = asyncio.Queue()
         request.listener = events.put_nowait
