@@ -114,6 +114,9 @@ def _decode(model, variables, cache, state, *, steps):
         live = live & (cache.lengths < cache.max_len)  # a row that filled its slots stops until reseated
         return (cache, dict(state, logits=logits[:, 0], drawn=drawn, live=live)), (tokens, log_probs)
 
+    if steps == 1:  # one iteration needs no loop
+        (cache, state), (tokens, log_probs) = one((cache, state), None)
+        return cache, state, tokens[None], log_probs[None]
     (cache, state), (tokens, log_probs) = jax.lax.scan(one, (cache, state), None, length=steps)
     return cache, state, tokens, log_probs
 

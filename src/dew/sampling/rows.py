@@ -61,11 +61,23 @@ class RowSampling:
 def process_rows(logits: jax.Array, settings: RowSampling) -> jax.Array:
     """Each row's logits ``[rows, vocab]`` as `process_logits` leaves them for that row's Sampling.
 
-    Greedy rows (temperature 0) come back divided by 1; they do not sample.
+    Greedy rows (temperature 0) come back divided by 1; they do not sample. Top-k and top-p sort
+    the vocabulary, the dearest part of a draw on a CPU, so a batch in which no row asks for
+    either skips them (they would leave every row as it is).
     """
-    vocab = logits.shape[-1]
     temperature = jnp.where(settings.temperature > 0, settings.temperature, 1.0)
     x = logits.astype(jnp.float32) / temperature[:, None]
+    ranked_filters = jnp.any(settings.top_k > 0) | jnp.any(settings.top_p < 1)
+    x = jax.lax.cond(ranked_filters, _top_k_top_p, lambda x, _: x, x, settings)
+    # min-p: tokens at least min_p times as likely as the best one
+    probs = jax.nn.softmax(x, axis=-1)
+    floor = settings.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where((settings.min_p[:, None] > 0) & (probs < floor), -jnp.inf, x)
+
+
+def _top_k_top_p(x: jax.Array, settings: RowSampling) -> jax.Array:
+    """Top-k, then top-p, per row (a row whose setting is off keeps every token)."""
+    vocab = x.shape[-1]
     ranked = jnp.sort(x, axis=-1)[..., ::-1]
     # top-k: the k-th largest value is the floor (ties with it are kept)
     k = jnp.where(settings.top_k > 0, jnp.minimum(settings.top_k, vocab), vocab)
@@ -77,11 +89,7 @@ def process_rows(logits: jax.Array, settings: RowSampling) -> jax.Array:
     mass_above = jnp.cumsum(probs, axis=-1) - probs
     keep = mass_above < settings.top_p[:, None]
     threshold = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where((settings.top_p[:, None] < 1) & (x < threshold), -jnp.inf, x)
-    # min-p: tokens at least min_p times as likely as the best one
-    probs = jax.nn.softmax(x, axis=-1)
-    floor = settings.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    return jnp.where((settings.min_p[:, None] > 0) & (probs < floor), -jnp.inf, x)
+    return jnp.where((settings.top_p[:, None] < 1) & (x < threshold), -jnp.inf, x)
 
 
 def choose_row_tokens(logits: jax.Array, keys: jax.Array, settings: RowSampling) -> tuple[jax.Array, jax.Array]:
@@ -91,8 +99,11 @@ def choose_row_tokens(logits: jax.Array, keys: jax.Array, settings: RowSampling)
     `choose_tokens` does; a sampled row draws with its own key.
     """
     processed = process_rows(logits, settings)
-    drawn = jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
     greedy = settings.temperature <= 0
+    drawn = jax.lax.cond(  # an all-greedy batch draws nothing
+        jnp.all(greedy), lambda: jnp.zeros(greedy.shape, jnp.int32),
+        lambda: jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32),
+    )
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
     log_probs = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, jnp.where(greedy, 0.0, log_probs)
