@@ -241,6 +241,24 @@ def test_per_row_settings_process_each_row_as_its_sampling_alone():
     assert not np.array_equal(np.isinf(processed[1]), np.isinf(processed[0]))
 
 
+def test_a_batch_without_top_k_or_top_p_skips_the_sort_and_processes_each_row_alike():
+    logits = jax.random.normal(jax.random.key(4), (2, VOCAB)) * 3
+    plain = [Sampling(temperature=0.8), Sampling(temperature=1.2, min_p=0.1)]
+    settings = jax.tree_util.tree_map(lambda *v: jnp.stack([jnp.asarray(x) for x in v]),
+                                      *[RowSampling.of(s) for s in plain])
+    processed = process_rows(logits, settings)
+    for i, sampling in enumerate(plain):
+        np.testing.assert_array_equal(np.asarray(processed[i]), np.asarray(process_logits(logits[i:i + 1], sampling)[0]))
+    assert np.isinf(processed[1]).any() and not np.isinf(processed[0]).any()  # min-p filtered row 1 only
+
+
+def test_an_all_greedy_batch_takes_each_row_s_argmax():
+    logits = jax.random.normal(jax.random.key(5), (3, VOCAB))
+    tokens, log_probs = choose_row_tokens(logits, jax.random.split(jax.random.key(6), 3), RowSampling.empty(3))
+    np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
+    np.testing.assert_array_equal(log_probs, 0.0)
+
+
 def test_a_greedy_row_takes_the_argmax_with_log_probability_zero():
     logits = jax.random.normal(jax.random.key(2), (2, VOCAB))
     settings = RowSampling.empty(2).set_row(1, RowSampling.of(Sampling(temperature=1.0)))
