@@ -244,3 +244,20 @@ def test_a_scanned_decoder_generates_what_the_unscanned_one_does(lm):
                    n=2).host()
     np.testing.assert_array_equal(got.tokens[::2], want.tokens)
     np.testing.assert_array_equal(got.tokens[1::2], want.tokens)
+
+
+def test_a_prompt_padded_near_max_seq_len_keeps_every_drawn_token_in_the_cache(lm):
+    """A 17-token prompt pads to 32 = max_seq_len; its 10 draws still need their own cache slots."""
+    model, variables = lm
+    prompt = [(7 * i) % VOCAB for i in range(17)]
+    result = generate(model, variables, [prompt], 10, key=KEY, sampling=Sampling(temperature=0.0)).host()
+    apply = jax.jit(model.apply)
+    sequence = list(prompt)
+    for t in range(10):
+        padded = np.zeros((1, 32), np.int32)
+        padded[0, : len(sequence)] = sequence
+        logits = np.asarray(apply(variables, padded))[0, len(sequence) - 1]
+        assert int(result.tokens[0, t]) == int(np.argmax(logits)), f"draw {t}"
+        np.testing.assert_allclose(float(result.raw_log_probs[0, t]),
+                                   float(jax.nn.log_softmax(logits)[int(np.argmax(logits))]), atol=1e-4)
+        sequence.append(int(np.argmax(logits)))

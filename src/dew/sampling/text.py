@@ -323,8 +323,10 @@ def generate(
         )
 
     padded_len = padded_width(longest, model.max_seq_len)
-    # the padded prompt plus every drawn token but the last, which is never fed back
-    cache_len = min(padded_len + max_new_tokens - 1, model.max_seq_len)
+    # the padded prompt plus every drawn token but the last, which is never fed back; slot s holds
+    # position s only up to the padded width, so the cache may hold more slots than max_seq_len
+    # (positions, which RoPE reads, stay below it: the check above counts the real prompt)
+    cache_len = padded_len + max_new_tokens - 1
     tokens = np.zeros((len(rows), padded_len), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : row.size] = row

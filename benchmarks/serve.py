@@ -1,0 +1,225 @@
+"""Serving throughput: Dew's continuous-batching Server against static batches and transformers' own.
+
+The random Qwen3 of benchmarks/lm_decode.py (width 512, 8 layers, vocabulary 8192, float32), with
+room for 1024 positions, is built with transformers from a fixed seed and saved, and every side
+reads those weights. The load: 48 requests whose prompts are 32 to 480 random tokens, all queued at
+once, each continued by 128 greedy tokens with no end-of-sequence token. Sides, each in its own
+process (benchmarks/harness.py):
+
+- Dew's `Server` (dense cache, 16 slots of 608 tokens): every request submitted, then `step()` until
+  all finish; a request's time to first token is when its first token reached the host.
+- Dew's static batches: `generate` over the requests 16 at a time in arrival order (prompts padded
+  to the batch's longest); a request's first token is visible when its batch's call returns.
+- transformers' continuous batching, `model.generate_batch` (its defaults), at torch's defaults.
+
+A window serves the whole load once; the rate is generated tokens over its wall time (median of
+--repeats windows after a warm-up that compiles). Time to first token is reported as p50/p99 over
+the requests of every window. Dew's two sides must draw the same tokens (greedy); the count of
+requests that agree with transformers token for token is reported too (random weights leave
+near-ties, so a late parting is rounding). Prints one JSON line.
+
+    .venv-ref/bin/python benchmarks/serve.py --dew-python .venv/bin/python [--quick] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import harness
+from lm_decode import CONFIG
+
+SERVE_CONFIG = {**CONFIG, "max_position_embeddings": 1024}
+FULL = dict(requests=48, shortest=32, longest=480, new=128, slots=16)
+QUICK = dict(requests=12, shortest=8, longest=96, new=16, slots=4)
+
+
+def build_checkpoint(directory: str) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**SERVE_CONFIG)).to(torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(directory)
+
+
+def load_prompts(workdir: Path) -> list[list[int]]:
+    return json.loads((workdir / "prompts.json").read_text())
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+class DewSide(harness.Runner):
+    """The Server or static `generate` batches over the same load."""
+
+    def __init__(self, workdir: Path, load: dict, static: bool):
+        import jax
+        import jax.numpy as jnp
+
+        from dew.inference import TextGeneration
+        from dew.inference.serving import Server
+        from dew.interop import PretrainedDecoder
+        from dew.sampling import Sampling, generate
+
+        bundle = PretrainedDecoder.load(str(workdir / "checkpoint"), dtype=jnp.float32)
+        self.task = TextGeneration(bundle.model, bundle.variables)
+        self.prompts, self.load, self.static, self.workdir = load_prompts(workdir), load, static, workdir
+        self.greedy, self.generate, self.jax = Sampling(temperature=0.0), generate, jax
+        self.first_token_s: list[float] = []
+        if not static:
+            self.server = Server.from_task(self.task, slots=load["slots"], capacity=load["longest"] + load["new"])
+        self.tokens = self.serve()[1]  # compiles every program the load needs
+        self.first_token_s.clear()
+        self.info = {"side": "static" if static else "server", "jax": jax.__version__}
+
+    def serve(self) -> tuple[float, list[list[int]]]:
+        return self.serve_static() if self.static else self.serve_continuous()
+
+    def serve_continuous(self):
+        start = time.perf_counter()
+        requests = [self.server.submit(p, max_new_tokens=self.load["new"], sampling=self.greedy, seed=0)
+                    for p in self.prompts]
+        first = {}
+        while len(first) < len(requests) or not all(r.finished for r in requests):
+            for request, _ in self.server.step():
+                first.setdefault(id(request), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.first_token_s += list(first.values())
+        return seconds, [r.tokens for r in requests]
+
+    def serve_static(self):
+        model, variables = self.task.weights.get(self.load["slots"])
+        start, tokens = time.perf_counter(), []
+        slots = self.load["slots"]
+        for i in range(0, len(self.prompts), slots):
+            rows = self.prompts[i:i + slots]
+            out = self.generate(model, variables, rows, self.load["new"], key=self.jax.random.key(0),
+                                sampling=self.greedy)
+            drawn = np.asarray(out.tokens)  # waits for the call
+            self.first_token_s += [time.perf_counter() - start] * len(rows)
+            tokens += drawn.tolist()
+        return time.perf_counter() - start, tokens
+
+    def window(self):
+        seconds, _ = self.serve()
+        return seconds, len(self.prompts) * self.load["new"]
+
+    def finish(self):
+        np.save(self.workdir / f"tokens_{'static' if self.static else 'server'}.npy", np.asarray(self.tokens))
+        return {"first_token_s": percentiles(self.first_token_s)}
+
+
+class TransformersSide(harness.Runner):
+    """transformers' `generate_batch` (continuous batching with its paged cache) over the same load."""
+
+    def __init__(self, workdir: Path, load: dict):
+        import torch
+        import transformers
+        from transformers import GenerationConfig
+
+        self.torch, self.workdir, self.load = torch, workdir, load
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(workdir / "checkpoint"), dtype=torch.float32).eval()
+        self.prompts = load_prompts(workdir)
+        self.config = GenerationConfig(max_new_tokens=load["new"], min_new_tokens=load["new"], do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+        self.first_token_s: list[float] = []
+        self.tokens = self.serve()[1]
+        self.first_token_s.clear()
+        self.info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "transformers": transformers.__version__}
+
+    def serve(self):
+        start = time.perf_counter()
+        outputs = self.model.generate_batch(self.prompts, generation_config=self.config, record_timestamps=True)
+        seconds = time.perf_counter() - start
+        ordered = [outputs[key] for key in sorted(outputs, key=lambda k: int(k.split("_")[-1]))]
+        for out in ordered:
+            if out.timestamps:
+                self.first_token_s.append(out.timestamps[0] - out.created_time)
+        return seconds, [list(out.generated_tokens) for out in ordered]
+
+    def window(self):
+        return self.serve()[0], len(self.prompts) * self.load["new"]
+
+    def finish(self):
+        np.save(self.workdir / "tokens_hf.npy", np.asarray(self.tokens))
+        return {"first_token_s": percentiles(self.first_token_s) if self.first_token_s else None}
+
+
+def worker(config: dict) -> harness.Runner:
+    workdir, load = Path(config["workdir"]), config["load"]
+    if config["side"] == "torch":
+        return TransformersSide(workdir, load)
+    return DewSide(workdir, load, static=config["side"] == "static")
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> dict:
+    same = [bool(np.array_equal(x, y)) for x, y in zip(a, b)]
+    partings = [int(np.nonzero(x != y)[0][0]) for x, y in zip(a, b) if x.shape == y.shape and not np.array_equal(x, y)]
+    return {"identical_requests": sum(same), "of": len(same), "first_partings": partings}
+
+
+def main() -> None:
+    if (config := harness.worker_config()) is not None:
+        harness.serve(config, worker)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small load (12 requests of 8-96 tokens, 16 draws, 4 slots)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-peer", action="store_true", help="time Dew's two sides only")
+    parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew sides")
+    parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the transformers side")
+    parser.add_argument("--build-checkpoint", help=argparse.SUPPRESS)  # run in its own process by main
+    args = parser.parse_args()
+    if args.build_checkpoint:
+        build_checkpoint(args.build_checkpoint)
+        return
+    load = QUICK if args.quick else FULL
+    script = str(Path(__file__).resolve())
+    with tempfile.TemporaryDirectory(prefix="dew-serve-") as directory:
+        workdir = Path(directory)
+        subprocess.run([args.peer_python, script, "--build-checkpoint", str(workdir / "checkpoint")],
+                       env=harness.peer_environment(), check=True, stdout=sys.stderr)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, SERVE_CONFIG["vocab_size"], int(n)).tolist()
+                   for n in rng.integers(load["shortest"], load["longest"] + 1, load["requests"])]
+        (workdir / "prompts.json").write_text(json.dumps(prompts))
+        config = {"load": load}
+        sides = [harness.side("dew Server", "dew", script, [], {**config, "side": "server"}, python=args.dew_python),
+                 harness.side("dew static generate", "reference", script, [], {**config, "side": "static"},
+                              python=args.dew_python, env=harness.dew_environment())]
+        if not args.no_peer:
+            sides.append(harness.side("transformers generate_batch", "peer", script, [], {**config, "side": "torch"},
+                                      python=args.peer_python))
+        result = harness.compare(sides, args.repeats, workdir=workdir)
+        record = {"benchmark": "serve", "load": load, "repeats": args.repeats,
+                  "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores"}
+        for outcome in result.outcomes:
+            record[outcome.name] = {"tokens_per_second": outcome.rate, "unavailable": outcome.unavailable,
+                                    **(outcome.finished or {}), "info": outcome.info}
+        server, static = np.load(workdir / "tokens_server.npy"), np.load(workdir / "tokens_static.npy")
+        record["server_vs_static"] = agreement(server, static)
+        if (workdir / "tokens_hf.npy").exists():
+            record["server_vs_transformers"] = agreement(server, np.load(workdir / "tokens_hf.npy"))
+        static_rate = next(o.rate for o in result.outcomes if o.name == "dew static generate")
+        record["server_over_static"] = result.dew.rate / static_rate if static_rate else None
+        if not args.no_peer and result.by_role("peer") and any(o.rate for o in result.by_role("peer")):
+            record["server_over_transformers"] = result.dew.rate / result.best_peer.rate
+        print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
