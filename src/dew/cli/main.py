@@ -6,7 +6,7 @@ import sys
 
 from tyro.conf import Positional
 
-from dew.cli import checkpoints, demo, tokenize  # each imports its heavy dependencies inside its function
+from dew.cli import checkpoints, demo, serve, tokenize  # each imports its heavy dependencies inside its function
 
 
 def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False, overwrite: bool = False) -> None:
@@ -24,6 +24,7 @@ COMMANDS = {
     "tokenize": tokenize.run,
     "export": _export,
     "checkpoints": checkpoints.run,
+    "serve": serve.run,
 }
 
 
