@@ -5,7 +5,9 @@ generation loop can carry it through `jax.lax.while_loop` or `jax.lax.scan` (it 
 mutable collection).
 
 Slots are shared by all rows: a call that feeds T tokens per row writes them to the same T slots
-of every row, starting at ``index``, whatever their positions. Each slot records the position of
+of every row, starting at ``index``, whatever their positions. A server whose rows start at
+different times keeps an ``index`` per row instead (``[B]``): row b writes from its own slot
+``index[b]``, a per-row scatter, and `KVCache.seat` puts a freshly prefilled row into it. Each slot records the position of
 the token it holds (``positions[b, s]``, -1 for an empty slot), so rows of different lengths share
 one write and attention masks by position: a query sees the slots whose position is known and
 (causal) not after its own. Writing one slot for every row is a single in-place update, where a
@@ -39,7 +41,7 @@ class KVCache:
       v: values, a tuple of ``[B * KV, S, D]`` arrays or one ``[L, B * KV, S, D]``.
       positions: ``[B, S]`` int32, the position of the token in each slot (-1 where empty).
       lengths: ``[B]`` int32, each row's next position (one past the last token it holds).
-      index: ``[]`` int32, the first free slot (the same for every row).
+      index: ``[]`` int32, the first free slot (the same for every row), or ``[B]``, one per row.
     """
 
     k: Any
@@ -81,6 +83,36 @@ class KVCache:
         lengths = jnp.asarray(lengths, jnp.int32)
         kept = (self.positions >= 0) & (self.positions < lengths[:, None])
         return self.replace(positions=jnp.where(kept, self.positions, EMPTY), lengths=lengths)
+
+    def seat(self, row: jax.Array, other: "KVCache") -> "KVCache":
+        """This cache with row `row` replaced by the one row of `other` (a prefilled prompt).
+
+        `other` holds ``W <= max_len`` slots; they go to slots ``0 .. W - 1`` of the row and every
+        later slot of the row is emptied, so nothing the row held before stays visible. The row's
+        length and write index become `other`'s. Needs a per-row ``index``.
+        """
+        if other.batch_size != 1 or other.max_len > self.max_len or other.stacked != self.stacked:
+            raise ValueError(
+                f"seat takes a one-row cache of at most {self.max_len} slots in the same layout; got "
+                f"{other.batch_size} rows of {other.max_len} slots (stacked={other.stacked})"
+            )
+        row = jnp.asarray(row, jnp.int32)
+        zero = jnp.int32(0)
+        start = (row * self.kv_heads, zero, zero)
+
+        def put(big, small):  # [..., B * KV, a, b] <- [..., KV, a', b']
+            lead = (zero,) * (big.ndim - 3)
+            return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), lead + start)
+
+        k = put(self.k, other.k) if self.stacked else tuple(put(a, b) for a, b in zip(self.k, other.k))
+        v = put(self.v, other.v) if self.stacked else tuple(put(a, b) for a, b in zip(self.v, other.v))
+        row_positions = jnp.full((1, self.max_len), EMPTY, jnp.int32).at[:, : other.max_len].set(other.positions)
+        return self.replace(
+            k=k, v=v,
+            positions=jax.lax.dynamic_update_slice(self.positions, row_positions, (row, zero)),
+            lengths=self.lengths.at[row].set(other.lengths[0]),
+            index=jnp.broadcast_to(self.index, self.lengths.shape).at[row].set(other.lengths[0]),
+        )
 
     def repeat(self, n: int) -> "KVCache":
         """Each row repeated n times in place (row b becomes rows b*n .. b*n+n-1)."""
@@ -130,19 +162,33 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Write ``k, v [B, T, KV, D]`` into one layer's caches at slots ``index .. index + T - 1``.
 
-    ``k_cache`` is ``[B * KV, D, S]`` and ``v_cache`` ``[B * KV, S, D]``. Every row writes the same
-    T slots; the caller makes sure they fit (``index + T <= S``).
+    ``k_cache`` is ``[B * KV, D, S]`` and ``v_cache`` ``[B * KV, S, D]``. With a scalar ``index``
+    every row writes the same T slots; with ``index [B]`` row b writes from ``index[b]``. The
+    caller makes sure they fit (``index + T <= S``).
     """
     batch, length, kv_heads, head_dim = k.shape
     zero, start = jnp.int32(0), jnp.asarray(index, jnp.int32)
     keys = k.transpose(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, length)
     values = jnp.swapaxes(v, 1, 2).reshape(batch * kv_heads, length, head_dim)
+    if start.ndim == 1:  # a slot per row: one update per row, batched into a scatter
+        def per_row(cache, new, layout):  # [B * KV, a, b] seen as [B, KV, a, b]
+            rows = cache.reshape((batch, kv_heads) + cache.shape[1:])
+            new = new.reshape((batch, kv_heads) + new.shape[1:]).astype(cache.dtype)
+            put = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, layout(i)))
+            return put(rows, new, start).reshape(cache.shape)
+
+        k_cache = per_row(k_cache, keys, lambda i: (zero, zero, i))
+        v_cache = per_row(v_cache, values, lambda i: (zero, i, zero))
+        return k_cache, v_cache
     k_cache = jax.lax.dynamic_update_slice(k_cache, keys.astype(k_cache.dtype), (zero, zero, start))
     v_cache = jax.lax.dynamic_update_slice(v_cache, values.astype(v_cache.dtype), (zero, start, zero))
     return k_cache, v_cache
 
 
 def write_positions(positions: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-    """Record positions ``new [B, T]`` in ``positions [B, S]`` at slots ``index ..``."""
+    """Record positions ``new [B, T]`` in ``positions [B, S]`` at slots ``index ..`` (``[]`` or ``[B]``)."""
     start = jnp.asarray(index, jnp.int32)
+    if start.ndim == 1:
+        put = jax.vmap(lambda p, n, i: jax.lax.dynamic_update_slice(p, n, (i,)))
+        return put(positions, new.astype(jnp.int32), start)
     return jax.lax.dynamic_update_slice(positions, new.astype(jnp.int32), (jnp.int32(0), start))

@@ -188,9 +188,9 @@ def _check_cache(cache: KVCache, batch: int, length: int) -> None:
                          "build it with model.init_cache(batch_size)")
     if length > cache.max_len:
         raise ValueError(f"{length} tokens do not fit a KV cache of max_len={cache.max_len}")
-    if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + length > cache.max_len:
+    if not isinstance(cache.index, jax.core.Tracer) and int(np.max(cache.index)) + length > cache.max_len:
         raise ValueError(
-            f"the KV cache has {cache.max_len - int(cache.index)} free slots of {cache.max_len} and "
+            f"the KV cache has {cache.max_len - int(np.max(cache.index))} free slots of {cache.max_len} and "
             f"cannot take {length} more tokens; build it with a larger max_len"
         )
 

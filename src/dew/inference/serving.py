@@ -1,0 +1,381 @@
+"""A continuous-batching Server: many requests decoding together over one resident KV cache.
+
+The cache has ``slots`` rows of ``capacity`` token slots, and each row writes at its own index
+(`dew.nn.kv_cache`), so rows start and end independently. A request waits in a queue until a row
+is free; admitting it prefills its prompt alone (padded to a power-of-two width, so prompt lengths
+share a few programs), seats that one-row cache in the free row and keeps the last logits. Every
+step then runs one compiled program over all rows: each row draws its next token from its logits
+with its own settings (`dew.sampling.rows`) and key, and feeds it to the model. A row that drew an
+EOS id of its Sampling or its budget is freed for the next request at once.
+
+A request draws exactly what `TextGeneration` draws for it alone with the same seed: its key is
+the key of row 0 of a one-prompt call (`fold_in(fold_in(key(seed), 0), 0)`), step t draws with
+``fold_in(row_key, t)``, and its row attends only to its own tokens, by position.
+
+`submit` and `step` drive the server by hand (tests, benchmarks); `start` runs the same steps as
+an asyncio task, and `generate` streams one request's `TokenEvent`s to whoever awaits them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import numbers
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.checks import count
+from dew.inference.text import TextGeneration
+from dew.nn.backbones.causal_transformer import check_tokens
+from dew.sampling.rows import RowSampling, choose_row_tokens
+from dew.sampling.text import Sampling, _row_keys, padded_width
+
+THROUGHPUT_WINDOW_S = 10.0  # stats()["tokens_per_second"] counts the tokens of the last this many seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One drawn token of a request.
+
+    Attributes:
+      token: the token id.
+      logprob: its log-probability under the distribution it was drawn from (after temperature
+        and the filters; 0 for a greedy draw).
+      finish_reason: None while the request goes on; "stop" when the token is an EOS id of the
+        request's Sampling, "length" when it used the request's budget.
+    """
+
+    token: int
+    logprob: float
+    finish_reason: str | None
+
+
+class Request:
+    """A submitted request: its prompt, budget, Sampling and seed, and the events drawn so far."""
+
+    def __init__(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, seed: int):
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.seed = seed
+        self.events: list[TokenEvent] = []
+        self.row: int | None = None
+        self.cancelled = False
+        self.listener: Any = None  # called with each TokenEvent (the asyncio bridge of `generate`)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and self.events[-1].finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [event.token for event in self.events]
+
+
+def _prefill(model, variables, cache, state, row, tokens, length, row_key, settings):
+    """Prefill one prompt ``tokens [1, W]`` (its first `length` real) and seat it in row `row`."""
+    width = tokens.shape[1]
+    local = model.init_cache(1, width, dtype=_cache_dtype(cache))
+    positions = jnp.arange(width, dtype=jnp.int32)[None]
+    logits, local = model.apply(variables, tokens, positions=positions, cache=local)
+    local = local.truncate(length[None])  # forget the padding after the prompt
+    cache = cache.seat(row, local)
+    state = dict(
+        state,
+        logits=state["logits"].at[row].set(logits[0, length - 1]),
+        keys=state["keys"].at[row].set(row_key),
+        drawn=state["drawn"].at[row].set(0),
+        live=state["live"].at[row].set(True),
+        settings=state["settings"].set_row(row, settings),
+    )
+    return cache, state
+
+
+def _decode(model, variables, cache, state, *, steps):
+    """`steps` decode iterations over every row: draw from the logits, feed the token, keep the next logits."""
+
+    def one(carry, _):
+        cache, state = carry
+        keys = jax.vmap(jax.random.fold_in)(state["keys"], state["drawn"])
+        tokens, log_probs = choose_row_tokens(state["logits"], keys, state["settings"])
+        live = state["live"]
+        # a free row feeds a harmless token at slot 0, never past the end of its row
+        cache = cache.replace(lengths=jnp.where(live, cache.lengths, 0), index=jnp.where(live, cache.index, 0))
+        fed = jnp.where(live, tokens, 0)
+        logits, cache = model.apply(variables, fed[:, None], cache=cache)
+        drawn = state["drawn"] + live.astype(jnp.int32)
+        live = live & (cache.lengths < cache.max_len)  # a row that filled its slots stops until reseated
+        return (cache, dict(state, logits=logits[:, 0], drawn=drawn, live=live)), (tokens, log_probs)
+
+    (cache, state), (tokens, log_probs) = jax.lax.scan(one, (cache, state), None, length=steps)
+    return cache, state, tokens, log_probs
+
+
+def _cache_dtype(cache) -> Any:
+    return (cache.k if cache.stacked else cache.k[0]).dtype
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("model",), donate_argnames=("cache", "state"))
+_decode_jit = jax.jit(_decode, static_argnames=("model", "steps"), donate_argnames=("cache", "state"))
+
+
+class Server:
+    """Continuous batching of a `TextGeneration` task's decoder over ``slots`` rows of ``capacity`` tokens.
+
+    Build it with `from_task`. A request fits when its prompt plus its budget is at most
+    ``capacity`` tokens; `submit` (and `generate`) refuse one that does not before anything runs.
+    """
+
+    def __init__(self, task: TextGeneration, *, slots: int, capacity: int, decode_steps: int = 1):
+        if not isinstance(task, TextGeneration):
+            raise TypeError(f"Server serves a dew.inference.TextGeneration; got {type(task).__name__}.")
+        self.task = task
+        self.slots = count(slots, "slots")
+        self.capacity = count(capacity, "capacity", minimum=2)
+        self.decode_steps = count(decode_steps, "decode_steps")
+        max_seq_len = task.model.max_seq_len
+        if self.capacity > max_seq_len:
+            raise ValueError(
+                f"capacity={self.capacity} is more than the model's max_seq_len={max_seq_len}: a row "
+                f"cannot hold more tokens than the model has positions; pass capacity <= {max_seq_len}"
+            )
+        self.model, self.variables = task.weights.get(self.slots)
+        cache = self.model.init_cache(self.slots, self.capacity)
+        self._cache = cache.replace(index=jnp.zeros((self.slots,), jnp.int32))
+        self._state = dict(
+            logits=jnp.zeros((self.slots, self.model.vocab_size), jnp.float32),
+            keys=jnp.stack([jax.random.key(0)] * self.slots),
+            drawn=jnp.zeros((self.slots,), jnp.int32),
+            live=jnp.zeros((self.slots,), bool),
+            settings=RowSampling.empty(self.slots),
+        )
+        self._rows: list[Request | None] = [None] * self.slots
+        self._queue: collections.deque[Request] = collections.deque()
+        self._lock = threading.Lock()  # submit/cancel (any thread) against step (the stepping thread)
+        self._reload: Any = None
+        self._emitted: collections.deque[tuple[float, int]] = collections.deque()
+        self._loop_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_task(
+        cls, task: TextGeneration, *, slots: int, capacity: int, kv_cache: Any = None, chunk: int | None = None,
+        prefix_cache: bool = False, decode_steps: int = 1,
+    ) -> "Server":
+        """A server for `task` with ``slots`` rows of ``capacity`` tokens, running ``decode_steps``
+        decode iterations per device call. The dense cache is the one built: ``kv_cache``,
+        ``chunk`` and ``prefix_cache`` (paged caches) are refused until they exist."""
+        if kv_cache is not None or chunk is not None or prefix_cache:
+            raise ValueError(
+                "Server serves the dense KV cache only: pass kv_cache=None, chunk=None and prefix_cache=False "
+                f"(got kv_cache={kv_cache!r}, chunk={chunk!r}, prefix_cache={prefix_cache!r})"
+            )
+        return cls(task, slots=slots, capacity=capacity, decode_steps=decode_steps)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int) -> Request:
+        """Queue a request; it is admitted at a step with a free row. Raises when it can never run."""
+        request = self._check(prompt, max_new_tokens, sampling, seed)
+        with self._lock:
+            self._queue.append(request)
+        return request
+
+    def _check(self, prompt, max_new_tokens, sampling, seed) -> Request:
+        max_new_tokens = count(max_new_tokens, "max_new_tokens")
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a dew.sampling.Sampling; got {type(sampling).__name__}.")
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int; got {seed!r} ({type(seed).__name__}).")
+        tokens = np.asarray(prompt)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"prompt must be a non-empty list of token ids; got shape {tokens.shape}.")
+        check_tokens(tokens, self.model.vocab_size)
+        if tokens.size + max_new_tokens > self.capacity:
+            raise ValueError(
+                f"a prompt of {tokens.size} tokens plus max_new_tokens={max_new_tokens} is "
+                f"{tokens.size + max_new_tokens} tokens, more than the server's capacity={self.capacity} per "
+                "row; shorten the prompt, ask for fewer tokens or build the server with a larger capacity"
+            )
+        return Request(tokens.astype(np.int32), max_new_tokens, sampling, int(seed))
+
+    def cancel(self, request: Request) -> None:
+        """Drop a request: out of the queue now, or out of its row at the next step."""
+        with self._lock:
+            request.cancelled = True
+            if request in self._queue:
+                self._queue.remove(request)
+
+    def reload(self, variables: Any) -> None:
+        """Decode with `variables` from the next step on (rows keep the cache the old weights wrote)."""
+        self._reload = variables
+
+    # --- stepping --------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Request, TokenEvent]]:
+        """Admit queued requests into free rows, run one decode call, and return what it drew.
+
+        Events are in draw order; a request whose event finishes it has left its row.
+        """
+        if self._reload is not None:
+            variables, self._reload = self._reload, None
+            self.task = self.task.bind(variables)
+            self.model, self.variables = self.task.weights.get(self.slots)
+        self._free_cancelled()
+        self._admit()
+        running = [(row, r) for row, r in enumerate(self._rows) if r is not None]
+        if not running:
+            return []
+        self._cache, self._state, tokens, log_probs = _decode_jit(
+            self.model, self.variables, self._cache, self._state, steps=self.decode_steps
+        )
+        tokens, log_probs = np.asarray(tokens), np.asarray(log_probs)
+        events, freed = [], []
+        for t in range(self.decode_steps):
+            for row, request in running:
+                if request.finished:
+                    continue
+                token = int(tokens[t, row])
+                if token in request.sampling.eos_token_ids:
+                    reason = "stop"
+                elif len(request.events) + 1 == request.max_new_tokens:
+                    reason = "length"
+                else:
+                    reason = None
+                event = TokenEvent(token, float(log_probs[t, row]), reason)
+                request.events.append(event)
+                events.append((request, event))
+                if reason is not None:
+                    freed.append(row)
+        with self._lock:
+            for row in freed:
+                self._rows[row] = None
+        self._stop_rows(freed)
+        self._count_emitted(len(events))
+        return events
+
+    def _stop_rows(self, rows: list[int]) -> None:
+        """Mark rows free on the device so they stop decoding until a request is seated there."""
+        if rows:
+            self._state = dict(self._state, live=self._state["live"].at[jnp.asarray(rows)].set(False))
+
+    def _free_cancelled(self) -> None:
+        with self._lock:
+            freed = [row for row, r in enumerate(self._rows) if r is not None and r.cancelled]
+            for row in freed:
+                self._rows[row] = None
+        self._stop_rows(freed)
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                free = [row for row, r in enumerate(self._rows) if r is None]
+                if not free or not self._queue:
+                    return
+                request = self._queue.popleft()
+                row = free[0]
+                self._rows[row] = request
+            request.row = row
+            length = int(request.prompt.size)
+            width = padded_width(length, self.capacity)
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, :length] = request.prompt
+            row_key = _row_keys(jax.random.key(request.seed), 1, 1)[0]  # TextGeneration's key for it alone
+            self._cache, self._state = _prefill_jit(
+                self.model, self.variables, self._cache, self._state, jnp.int32(row), jnp.asarray(tokens),
+                jnp.int32(length), row_key, RowSampling.of(request.sampling),
+            )
+
+    def _count_emitted(self, tokens: int) -> None:
+        now = time.monotonic()
+        self._emitted.append((now, tokens))
+        while self._emitted and self._emitted[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._emitted.popleft()
+
+    def stats(self) -> dict[str, float]:
+        """Queue depth, running rows, tokens per second over the last few seconds, cache pages used (0: dense)."""
+        now = time.monotonic()
+        recent = [(at, n) for at, n in list(self._emitted) if at >= now - THROUGHPUT_WINDOW_S]
+        span = now - recent[0][0] if recent else 0.0
+        with self._lock:
+            queued = len(self._queue)
+            running = sum(r is not None for r in self._rows)
+        return {
+            "queue_depth": float(queued),
+            "running": float(running),
+            "tokens_per_second": float(sum(n for _, n in recent) / span) if span > 0 else 0.0,
+            "pages_used": 0.0,
+        }
+
+    # --- asyncio ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run the step loop as a task of the running event loop (steps run in a worker thread)."""
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop the step loop; requests still waiting or running end with a RuntimeError."""
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            self._stopping = True
+            self._wake.set()
+            try:
+                await task  # ends after the step in flight, if any
+            finally:
+                self._stopping = False
+        with self._lock:
+            waiting = list(self._queue) + [r for r in self._rows if r is not None]
+            self._queue.clear()
+            self._rows = [None] * self.slots
+        self._state = dict(self._state, live=jnp.zeros((self.slots,), bool))
+        for request in waiting:
+            if request.listener is not None:
+                request.listener(RuntimeError("the server stopped before this request finished"))
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                idle = not self._queue and all(r is None for r in self._rows)
+            if idle:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for request, event in await asyncio.to_thread(self.step):
+                if request.listener is not None:
+                    request.listener(event)
+
+    async def generate(
+        self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream one request's tokens; closing the iterator early frees its row at the next step."""
+        request = self._check(prompt, max_new_tokens, sampling, seed)
+        await self.start()
+        events: asyncio.Queue = asyncio.Queue()
+        request.listener = events.put_nowait
+        with self._lock:
+            self._queue.append(request)
+        self._wake.set()
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if not request.finished:
+                self.cancel(request)
+
+
+__all__ = ["Request", "Server", "TokenEvent"]
