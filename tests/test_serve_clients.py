@@ -3,7 +3,8 @@
 task draws locally for the same prompt, sampling and seed.
 
 Every prompt here (and the chat prompt the template renders) is 9 to 16 tokens long and every
-request draws 6 tokens, greedy or at temperature 0.8, so the server compiles two programs in all.
+request draws 6 tokens, greedy or at temperature 0.8, so the server and the local task each compile
+only a few programs.
 """
 
 import os

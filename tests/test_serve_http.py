@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from dew.inference.http.pieces import held_back, text_pieces
-from dew.inference.serving_static import TokenEvent
+from dew.inference.serving import TokenEvent
 from dew.sampling import Sampling
 
 SCRIPTS = ["the cat sat", "a dog ran", "owls hoot"]

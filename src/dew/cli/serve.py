@@ -8,18 +8,6 @@ from typing import Literal
 from tyro.conf import Positional
 
 
-def engine_class():
-    """The continuous-batching `dew.inference.serving.Server`, or, where it is not installed, the
-    one-request-at-a-time `StaticServer`, which serves the same contract."""
-    try:
-        from dew.inference.serving import Server
-    except ModuleNotFoundError as error:
-        if error.name != "dew.inference.serving":
-            raise
-        from dew.inference.serving_static import StaticServer as Server
-    return Server
-
-
 def run(
     source: Positional[str],
     host: str = "127.0.0.1",
@@ -67,6 +55,7 @@ def run(
     import dew
     from dew.checks import count
     from dew.inference.http import create_app
+    from dew.inference.serving import Server
 
     count(port, "port")
     task = dew.pipeline(source, step=step, dtype=dtype)
@@ -77,14 +66,18 @@ def run(
         from dew.nn.kv_cache import KVCache
 
         quantized = {"dense": None, "int8": "int8", "float8": "float8_e4m3fn"}[kv_cache]
-        options["kv_cache"] = KVCache(page_size=page_size, pages=pages, quantized=quantized)
+        try:
+            options["kv_cache"] = KVCache(page_size=page_size, pages=pages, quantized=quantized)
+        except TypeError:
+            raise ValueError("This Dew's KVCache has no paged or quantized layout; leave out --page-size, --pages "
+                             "and --kv-cache to serve with the dense cache.") from None
     if chunk is not None:
         options["chunk"] = chunk
     if prefix_cache:
         options["prefix_cache"] = True
-    engine = engine_class().from_task(task, slots=slots, capacity=capacity, **options)
+    capacity = task.model.max_seq_len if capacity is None else capacity
+    engine = Server.from_task(task, slots=slots, capacity=capacity, **options)
     name = name or Path(str(source).rstrip("/")).name
     app = create_app(engine, name=name, max_in_flight=max_in_flight)
-    print(f"dew serve: {name} on http://{host}:{port} ({type(engine).__name__}, {engine.slots} slots, "
-          f"{engine.capacity} tokens per request)", flush=True)
+    print(f"dew serve: {name} on http://{host}:{port} ({engine.slots} slots of {engine.capacity} tokens)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,8 +1,8 @@
 """`dew serve`'s HTTP front end: OpenAI's and Ollama's APIs over one serving engine.
 
 `create_app(engine, name=...)` returns the ASGI app. The front end reads the engine only through
-the serving contract (`generate`, `stats`, `start`, `stop`, `task`, `capacity`, `slots`), so it runs
-over `dew.inference.serving.Server` or `dew.inference.serving_static.StaticServer` alike.
+the serving contract (`generate`, `stats`, `start`, `stop`, `task`, `capacity`, `slots`) that
+`dew.inference.serving.Server` implements, so its tests can drive it with a scripted engine.
 FastAPI and uvicorn come with the `serve` extra.
 """
 
