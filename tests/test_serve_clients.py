@@ -7,6 +7,7 @@ request draws 6 tokens, greedy or at temperature 0.8, so the server and the loca
 only a few programs.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -188,3 +189,27 @@ def test_malformed_requests_get_their_4xx_while_a_valid_one_still_completes(serv
     finally:
         thread.join(120)
     assert valid["text"] == local(served, served.tokenizer.encode(OTHER), GREEDY, 0)[0]
+
+
+def test_a_json_schema_response_format_parses_and_validates_in_both_apis(served):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
+              "required": ["ok", "colour"]}
+
+    def valid(text):
+        document = json.loads(text)
+        return set(document) == {"ok", "colour"} and isinstance(document["ok"], bool) and document["colour"] in ("red", "green")
+
+    client = openai_client(served)
+    reply = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop" and valid(reply.choices[0].message.content)
+    chatted = ollama.Client(host=served.url, timeout=120).chat(model="tiny", messages=CHAT, format=schema,
+                                                               options={"temperature": 0, "num_predict": 40})
+    assert valid(chatted.message.content)
+    with pytest.raises(json.JSONDecodeError):  # the control: the same model unguided writes no JSON
+        json.loads(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=BUDGET,
+                                                  temperature=0).choices[0].message.content)
+    with pytest.raises(openai.BadRequestError, match="schema"):
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"$ref": "#/nowhere"}}})

@@ -9,6 +9,7 @@ the engine sees it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import secrets
@@ -18,6 +19,9 @@ from typing import Any
 
 from dew.inference.http.pieces import Piece, text_pieces
 from dew.sampling.text import Sampling
+
+
+GRAMMARS_KEPT = 16  # compiled JSON-schema grammars a server keeps
 
 
 class APIError(Exception):
@@ -65,6 +69,7 @@ class ServedModel:
     sampling: Sampling
     vocab_size: int
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    _grammars: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def from_engine(cls, engine: Any, name: str) -> ServedModel:
@@ -167,12 +172,55 @@ class ServedModel:
                                 f"ask for at most {room}.", param)
         return max_tokens
 
+    def grammar(self, schema: Any, param: str) -> Any:
+        """The token grammar of JSON documents valid under `schema` (compiled once per schema)."""
+        from dew.sampling.guided import json_schema
+
+        if not isinstance(schema, Mapping):
+            raise APIError(400, f"{param} must be a JSON schema object; got {type(schema).__name__}.", param)
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self._grammars:
+            if not self.sampling.eos_token_ids:
+                raise APIError(400, f"{self.name!r} has no EOS token to end a document with, so it cannot follow a "
+                                    "schema.", param)
+            tokenizer = self._needs_tokenizer("a JSON schema")
+            try:
+                grammar = json_schema(tokenizer, schema, self.sampling.eos_token_ids[0], self.vocab_size)
+            except ImportError as error:
+                raise APIError(400, f"This server cannot follow a schema: {error}", param) from None
+            except ValueError as error:
+                raise APIError(400, f"{param}: {error}", param) from None
+            if len(self._grammars) >= GRAMMARS_KEPT:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[key] = grammar
+        return self._grammars[key]
+
     def pieces(self, prompt: Sequence[int], budget: int, sampling: Sampling, seed: int,
-               stops: Sequence[str] = ()) -> AsyncIterator[Piece]:
-        """The text pieces of one continuation."""
-        events = self.engine.generate(prompt, max_new_tokens=budget, sampling=sampling, seed=seed)
+               stops: Sequence[str] = (), grammar: Any = None) -> AsyncIterator[Piece]:
+        """The text pieces of one continuation: from the engine, or, inside a grammar, from
+        `guided_generate` over the engine's task (one request at a time per thread, outside the
+        engine's batch)."""
+        if grammar is None:
+            events = self.engine.generate(prompt, max_new_tokens=budget, sampling=sampling, seed=seed)
+        else:
+            events = self._guided_events(prompt, budget, sampling, seed, grammar)
         decode = self.decode if self.tokenizer is not None else (lambda ids: "")
         return text_pieces(events, decode, stops)
+
+    async def _guided_events(self, prompt: Sequence[int], budget: int, sampling: Sampling, seed: int,
+                             grammar: Any) -> AsyncIterator[Any]:
+        import jax
+
+        from dew.inference.serving import TokenEvent
+        from dew.sampling.guided import guided_generate
+
+        task = self.engine.task
+        tokens, logprobs, ended = await asyncio.to_thread(
+            guided_generate, task.model, task.variables, list(prompt), budget, grammar=grammar,
+            key=jax.random.key(seed), sampling=sampling)
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            last = i == len(tokens) - 1
+            yield TokenEvent(token, logprob, ("stop" if ended else "length") if last else None)
 
     def token_text(self, token: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token])

@@ -5,8 +5,8 @@ checkpoint's chat template, as Ollama applies a model's template; `raw=true`, or
 without a template, sends the prompt as it is. Sampling starts from the checkpoint's defaults, not
 Ollama's own (temperature 0.8, top_k 40, a repeat penalty), and `options` set over them; options
 that only place or size Ollama's runner (`num_ctx`, `num_gpu`, `num_thread`, ...) are accepted and
-have no effect, and a penalty or sampler Dew does not implement is refused. As in Ollama, `stream`
-defaults to true.
+have no effect, and a penalty or sampler Dew does not implement is refused. A JSON schema as
+`format` keeps the reply inside it, as on OpenAI's side. As in Ollama, `stream` defaults to true.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def _refuse_unsupported(request: Generated, fields: dict[str, Any]) -> None:
     for name, value in fields.items():
         if value not in (None, False, "", []):
             raise APIError(400, f"{name} is not supported by this server; leave it out.", name)
-    if request.format not in (None, ""):
-        raise APIError(400, "format is not supported by this server; leave it out.", "format")
+    if request.format not in (None, "") and not isinstance(request.format, dict):
+        raise APIError(400, f"format={request.format!r} is not supported; pass a JSON schema object.", "format")
     if request.think not in (None, False):
         raise APIError(400, "think is not supported: this model has no thinking mode.", "think")
     if request.top_logprobs:
@@ -164,9 +164,10 @@ def router(model: ServedModel, admission: Any) -> Any:
                                 "as fit).", "options.num_predict")
         budget = model.budget(prompt, wanted, "options.num_predict")
         seed = random_seed() if options.seed is None else options.seed
+        grammar = model.grammar(request.format, "format") if isinstance(request.format, dict) else None
         started = time.monotonic_ns()
         async with admission.hold(1) as ticket:
-            pieces = model.pieces(prompt, budget, sampling, seed, options.stop or ())
+            pieces = model.pieces(prompt, budget, sampling, seed, options.stop or (), grammar)
             if not request.stream:
                 async def everything():
                     whole = Continuation()

@@ -5,7 +5,9 @@ silently dropped). Besides OpenAI's own sampling fields it reads vLLM's `top_k`,
 `stop_token_ids` and `ignore_eos`, so `OpenAICompletion(provider="vllm")` can ask it for any
 `Sampling`. Each of `n` continuations is its own engine request, with seed `seed + i` for
 continuation i (prompt-major for a list of prompts); without a seed each draws a random one.
-Streams are server-sent events ending with `data: [DONE]`.
+Streams are server-sent events ending with `data: [DONE]`. A chat's `response_format` of type
+`json_schema` keeps the reply inside the schema (`dew.sampling.guided`, outlines-core): such a
+request decodes through `guided_generate` over the engine's task, beside the engine's batch.
 """
 
 from __future__ import annotations
@@ -133,11 +135,13 @@ def router(model: ServedModel, admission: Any) -> Any:
             runs += [(prompt, budget, sampling, seed + i * request.n + j) for j in range(request.n)]
         return runs
 
-    async def answer(http: Request, request: Sampled, prompts: list[list[int]], runs: list, shape: Any):
+    async def answer(http: Request, request: Sampled, prompts: list[list[int]], runs: list, shape: Any,
+                     grammar: Any = None):
         """Run every continuation and answer: one JSON body, or a stream of chunks."""
         stops = _stops(request.stop)
         async with admission.hold(len(runs)) as ticket:
-            streams = [model.pieces(prompt, budget, sampling, seed, stops) for prompt, budget, sampling, seed in runs]
+            streams = [model.pieces(prompt, budget, sampling, seed, stops, grammar)
+                       for prompt, budget, sampling, seed in runs]
             prompt_tokens = sum(len(p) for p in prompts)
             if not request.stream:
                 async def everything():
@@ -188,17 +192,30 @@ def router(model: ServedModel, admission: Any) -> Any:
             raise APIError(400, f"top_logprobs={request.top_logprobs} asks for alternatives the engine does not "
                                 "report; logprobs=true alone returns each drawn token's log-probability.",
                            "top_logprobs")
-        if request.response_format is not None and request.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than {'type': 'text'} is not supported by this server.",
-                           "response_format")
+        grammar = _response_grammar(model, request.response_format)
         messages = [_message(m) for m in request.messages]
         prompts = [model.chat_prompt(messages, request.tools)]
         max_tokens = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         runs = plan(request, prompts, max_tokens, param)
-        return await answer(http, request, prompts, runs, ChatShape(model, request))
+        return await answer(http, request, prompts, runs, ChatShape(model, request), grammar)
 
     return api
+
+
+def _response_grammar(model: ServedModel, response_format: dict | None) -> Any:
+    """The grammar `response_format` asks for: None for text, a JSON schema's grammar for json_schema."""
+    kind = None if response_format is None else response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind != "json_schema":
+        raise APIError(400, f"response_format type {kind!r} is not supported; use 'text' or 'json_schema' with a "
+                            "schema.", "response_format")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise APIError(400, "response_format.json_schema must be an object holding the schema under 'schema'.",
+                       "response_format.json_schema")
+    return model.grammar(spec["schema"], "response_format.json_schema.schema")
 
 
 def _prompts(model: ServedModel, prompt: Any) -> list[list[int]]:
