@@ -62,7 +62,7 @@ def served(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dew.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     log = open(root / "serve.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "dew.cli.main", "serve", str(root / "tiny"), "--port", str(port),
-                                "--name", "tiny", "--max-in-flight", "8"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                "--name", "tiny", "--max-in-flight", "96"], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     try:
@@ -77,7 +77,7 @@ def served(tmp_path_factory):
                 pass
             time.sleep(0.25)
         task = dew.pipeline(root / "tiny")
-        yield type("Served", (), dict(url=url, task=task, tokenizer=tokenizer))
+        yield type("Served", (), dict(url=url, task=task, tokenizer=tokenizer, pid=process.pid))
     finally:
         process.terminate()
         try:
@@ -213,3 +213,62 @@ def test_a_json_schema_response_format_parses_and_validates_in_both_apis(served)
     with pytest.raises(openai.BadRequestError, match="schema"):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"$ref": "#/nowhere"}}})
+
+
+def resident_mib(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_under_load_every_valid_request_completes_right_and_every_malformed_one_gets_its_4xx(served):
+    """64 concurrent clients for a minute, one request in ten malformed; prints the figures."""
+    import asyncio
+    import random
+
+    cases = [(prompt, seed, sampling) for prompt in (PROMPT, OTHER) for seed in (0, 1) for sampling in (GREEDY, SAMPLED)]
+    expected = {(p, s, x.temperature): local(served, served.tokenizer.encode(p), x, s)[0] for p, s, x in cases}
+    bad = [{"model": "nope"}, {"max_tokens": 0}, {"n": 0}, {"temperature": -1}, {"colour": 1}, {"prompt": "x " * 70}]
+    tally = {"valid": 0, "wrong": 0, "malformed": 0, "unexpected": 0}
+    latencies = []
+
+    async def client(number, until):
+        pick = random.Random(number)
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
+            while time.monotonic() < until:
+                if pick.random() < 0.1:
+                    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": BUDGET} | pick.choice(bad)
+                    response = await http.post("/v1/completions", json=body)
+                    tally["malformed" if 400 <= response.status_code < 500 else "unexpected"] += 1
+                    continue
+                prompt, seed, sampling = pick.choice(cases)
+                started = time.monotonic()
+                response = await http.post("/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": BUDGET, "seed": seed,
+                    "temperature": sampling.temperature})
+                latencies.append(time.monotonic() - started)
+                if response.status_code != 200:
+                    tally["unexpected"] += 1
+                elif response.json()["choices"][0]["text"] == expected[(prompt, seed, sampling.temperature)]:
+                    tally["valid"] += 1
+                else:
+                    tally["wrong"] += 1
+
+    async def load(seconds):
+        until = time.monotonic() + seconds
+        await asyncio.gather(*(client(i, until) for i in range(64)))
+
+    asyncio.run(load(5))  # warm up
+    before = resident_mib(served.pid)
+    tally.update(valid=0, wrong=0, malformed=0, unexpected=0)
+    latencies.clear()
+    asyncio.run(load(60))
+    after = resident_mib(served.pid)
+    latencies.sort()
+    print(f"under load: {tally}, p50 {latencies[len(latencies) // 2]:.3f} s, p99 "
+          f"{latencies[int(len(latencies) * 0.99)]:.3f} s, resident {before:.0f} -> {after:.0f} MiB")
+    assert tally["wrong"] == tally["unexpected"] == 0 and tally["valid"] > 0 and tally["malformed"] > 0
+    assert httpx.get(served.url + "/health").status_code == 200
+    assert after < before * 1.1 + 50

@@ -47,7 +47,7 @@ class Options(Strict):
     num_thread: int | None = None
     num_keep: int | None = None
     # sampling
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)
     num_predict: int | None = None
     top_k: int | None = None
     top_p: float | None = Field(None, ge=0, le=1)

@@ -48,7 +48,7 @@ class Sampled(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
