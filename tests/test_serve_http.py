@@ -206,6 +206,7 @@ def test_chat_renders_the_template_and_applies_request_sampling_over_the_default
     ({"model": "scripted", "prompt": [3, 99]}, 400, "prompt"),
     ({"model": "scripted", "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "hi"}, 400, "model"),
+    ({"model": "scripted", "prompt": "hi", "n": 4}, 400, "n"),  # more than the server ever admits at once
 ])
 def test_openai_errors_use_its_schema_and_name_the_field(served, body, status, param):
     response = post(served, "/v1/completions", body)
@@ -303,6 +304,11 @@ def test_a_client_that_leaves_a_stream_or_a_whole_answer_frees_its_request(serve
         with pytest.raises(httpx.ReadTimeout):
             post(served, "/api/generate", {"model": "scripted", "prompt": "hi", "stream": False}, timeout=0.5)
         wait_for(lambda: engine.closed == closed + 2)
+        engine.allowance = 0  # a stream that leaves before its first token, too
+        with pytest.raises(httpx.ReadTimeout):
+            post(served, "/v1/chat/completions", {"model": "scripted", "messages": [{"role": "user", "content": "x"}],
+                                                  "stream": True}, timeout=0.5)
+        wait_for(lambda: engine.closed == closed + 3)
         wait_for(lambda: "dew_requests_in_flight 0" in httpx.get(served.url + "/metrics").text)
     finally:
         engine.allowance = None

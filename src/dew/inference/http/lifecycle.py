@@ -25,6 +25,9 @@ class Admission:
     async def hold(self, continuations: int) -> AsyncIterator[Ticket]:
         """A ticket for `continuations`, given back on leaving the block unless `kept` (a stream
         keeps its ticket and releases it when it ends)."""
+        if continuations > self.limit:
+            raise APIError(400, f"This request asks for {continuations} continuations, more than the {self.limit} the "
+                                "server admits at once; ask for fewer (n, or fewer prompts).", "n")
         if self.in_flight + continuations > self.limit:
             self.refused += 1
             raise APIError(429, f"The server is full: {self.in_flight} continuations are in flight and it admits "

@@ -177,7 +177,7 @@ def router(model: ServedModel, admission: Any) -> Any:
 
                 whole = await unless_disconnected(http, everything())
                 return {**shape.piece(whole.text, request.logprobs and whole), **shape.done(whole, prompt, started)}
-            stream = await opened(pieces)
+            stream = await unless_disconnected(http, opened(pieces))
             ticket.keep()
 
         async def lines() -> AsyncIterator[str]:

@@ -152,7 +152,7 @@ def router(model: ServedModel, admission: Any) -> Any:
 
                 wholes = await unless_disconnected(http, everything())
                 return shape.body(wholes, _usage(prompt_tokens, wholes))
-            chunks = await opened(merged(streams))
+            chunks = await unless_disconnected(http, opened(merged(streams)))
             ticket.keep()
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
