@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from dew.inference.http.pieces import held_back, text_pieces
+from dew.inference.http.pieces import Detokenizer, held_back, text_pieces
 from dew.inference.serving import TokenEvent
 from dew.sampling import Sampling
 
@@ -121,6 +121,24 @@ def test_held_back_keeps_a_partial_character_and_the_start_of_a_stop_string():
     assert held_back("hello", ["world"]) == 0
     assert held_back("ab\ufffd", []) == 1
     assert held_back("hello w", ["xyz", "wo", "lo wx"]) == 4  # the longest tail that can still grow
+
+
+def test_the_detokenizer_adds_whole_characters_and_keeps_the_space_a_lone_token_would_lose():
+    from pathlib import Path
+
+    from dew.data import HFTokenizer
+
+    tokenizer = HFTokenizer(Path(__file__).parent / "fixtures" / "tokenizers" / "tiny-tools")
+    ids = tokenizer.encode("héllo wörld ✓ 日本 done")
+    text_of = Detokenizer(tokenizer.decode)
+    seen = [text_of.add(i) for i in ids]
+    assert all("\ufffd" not in text for text in seen)  # a split character waits for its last byte
+    assert text_of.finish() == tokenizer.decode(ids) == "héllo wörld ✓ 日本 done"
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # the control: some tokens are partial bytes
+
+    pieces = {1: "\u2581the", 2: "\u2581cat"}  # SentencePiece drops the leading space of a text
+    spaced = Detokenizer(lambda ids: "".join(pieces[i] for i in ids).replace("\u2581", " ").lstrip(" "))
+    assert [spaced.add(1), spaced.add(2)] == ["the", "the cat"]
 
 
 def test_text_pieces_end_at_a_stop_string_across_tokens_and_close_the_engine_iterator():

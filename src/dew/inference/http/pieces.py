@@ -1,9 +1,9 @@
 """From an engine's token events to the text a client reads: detokenized pieces, stop strings, merging.
 
 The engine draws token ids and ends a request on an EOS id or its budget; what clients see is text.
-`text_pieces` decodes the tokens drawn so far and sends only text that can no longer change: it
-holds back a trailing partial UTF-8 character (decoded as U+FFFD) and any tail that could still
-grow into a stop string. When a stop string appears, the text ends before it and the request is
+`text_pieces` decodes the tokens drawn so far (incrementally, `Detokenizer`) and sends only text
+that can no longer change: it holds back a trailing partial UTF-8 character (decoded as U+FFFD)
+and any tail that could still grow into a stop string. When a stop string appears, the text ends before it and the request is
 closed, which frees its row in the engine. An EOS token ends the request without adding text.
 """
 
@@ -58,6 +58,39 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
+class Detokenizer:
+    """The text of a growing list of tokens, decoding only the tokens since the last clean break.
+
+    Decoding the whole list at every token costs time quadratic in its length. As in vLLM's
+    incremental detokenization, the tokens since the last commit are decoded with and without the
+    newest ones, and the difference is added once it ends in a whole character; the context kept
+    before the new tokens lets a tokenizer that drops a leading space (SentencePiece) decode them
+    as it would in place.
+    """
+
+    def __init__(self, decode: Any):
+        self.decode, self.tokens, self.text = decode, [], ""
+        self.start = self.read = 0  # decode from `start`; tokens before `read` are in `text`
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """The whole text, a trailing partial character included (as U+FFFD, like a full decode)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.read == len(self.tokens):
+            return self.text
+        new = self.decode(self.tokens[self.start:])
+        old = self.decode(self.tokens[self.start:self.read])
+        if len(new) > len(old) and (final or not new.endswith(REPLACEMENT)):
+            self.text += new[len(old):]
+            self.start, self.read = self.read, len(self.tokens)
+        return self.text
+
+
 def first_stop(text: str, stops: Sequence[str], start: int) -> int | None:
     """Where the earliest stop string begins in `text` at or after `start`, or None."""
     found = [index for index in (text.find(stop, start) for stop in stops) if index >= 0]
@@ -72,7 +105,7 @@ async def text_pieces(events: AsyncIterator[Any], decode: Any, stops: Sequence[s
     """
     stops = [stop for stop in stops if stop]
     longest_stop = max((len(stop) for stop in stops), default=0)
-    tokens: list[int] = []
+    text_of = Detokenizer(decode)
     new_tokens: list[int] = []
     new_logprobs: list[float] = []
     sent = 0
@@ -83,18 +116,18 @@ async def text_pieces(events: AsyncIterator[Any], decode: Any, stops: Sequence[s
             if event.finish_reason == "stop":  # an EOS token: counted, never shown
                 new_tokens.append(event.token)
                 new_logprobs.append(event.logprob)
-                finish = "stop"
+                text, finish = text_of.finish(), "stop"
                 break
-            tokens.append(event.token)
             new_tokens.append(event.token)
             new_logprobs.append(event.logprob)
-            text = decode(tokens)
+            text = text_of.add(event.token)
+            if event.finish_reason is not None:
+                text, finish = text_of.finish(), event.finish_reason
             cut = first_stop(text, stops, max(0, sent - longest_stop)) if stops else None
             if cut is not None:
                 text, finish = text[:cut], "stop"
                 break
-            if event.finish_reason is not None:
-                finish = event.finish_reason
+            if finish is not None:
                 break
             ready = len(text) - held_back(text, stops)
             if ready > sent:
@@ -102,6 +135,8 @@ async def text_pieces(events: AsyncIterator[Any], decode: Any, stops: Sequence[s
                 sent, new_tokens, new_logprobs = ready, [], []
     finally:
         await events.aclose()
+    if finish is None:  # the events ended without a reason: the budget, as far as the text knows
+        text = text_of.finish()
     yield Piece(text[sent:], new_tokens, new_logprobs, finish or "length")
 
 
