@@ -48,7 +48,6 @@ def create_app(engine: Any, *, name: str, max_in_flight: int | None = None) -> A
             await engine.stop()
 
     app = FastAPI(title=f"dew serve: {name}", lifespan=lifespan)
-    app.state.model, app.state.admission = model, admission
 
     def error_response(request: Request, error: APIError) -> Any:
         if request.url.path.startswith("/api/"):

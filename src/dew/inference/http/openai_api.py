@@ -123,7 +123,6 @@ def router(model: ServedModel, admission: Any) -> Any:
 
     def plan(request: Sampled, prompts: list[list[int]], max_tokens: int | None, param: str):
         """(prompt, budget, sampling, seed) of every continuation, prompt-major."""
-        model.check_name(request.model)
         _check_unsupported(request)
         sampling = model.sampling_for(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                                       min_p=request.min_p, stop_token_ids=request.stop_token_ids,
@@ -177,6 +176,7 @@ def router(model: ServedModel, admission: Any) -> Any:
 
     @api.post("/completions")
     async def completions(request: CompletionRequest, http: Request):
+        model.check_name(request.model)
         if request.echo:
             raise APIError(400, "echo=true is not supported; join the prompt to the text yourself.", "echo")
         if request.logprobs:
@@ -188,6 +188,7 @@ def router(model: ServedModel, admission: Any) -> Any:
 
     @api.post("/chat/completions")
     async def chat(request: ChatRequest, http: Request):
+        model.check_name(request.model)
         if request.top_logprobs:
             raise APIError(400, f"top_logprobs={request.top_logprobs} asks for alternatives the engine does not "
                                 "report; logprobs=true alone returns each drawn token's log-probability.",
