@@ -197,10 +197,10 @@ def router(model: ServedModel, admission: Any) -> Any:
     @api.post("/generate")
     async def generate(http: Request):
         request = await _read(http, GenerateRequest)
+        model.check_name(request.model)
         _refuse_unsupported(request, {"suffix": request.suffix, "template": request.template,
                                       "context": request.context, "images": request.images, "width": request.width,
                                       "height": request.height, "steps": request.steps})
-        model.check_name(request.model)
         shape = GenerateShape(model)
         if not request.prompt:  # Ollama's way to load a model: nothing to generate
             return {**shape.piece("", None), "done": True, "done_reason": "load"}
@@ -214,9 +214,9 @@ def router(model: ServedModel, admission: Any) -> Any:
     @api.post("/chat")
     async def chat(http: Request):
         request = await _read(http, ChatRequest)
+        model.check_name(request.model)
         images = [m.images for m in request.messages or [] if m.images]
         _refuse_unsupported(request, {"messages.images": images})
-        model.check_name(request.model)
         shape = ChatShape(model)
         if not request.messages:
             return {**shape.piece("", None), "done": True, "done_reason": "load"}
