@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+import tyro
 from tyro.conf import Positional
 
 
 def run(
-    source: Positional[str],
+    source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]],
     host: str = "127.0.0.1",
     port: int = 8000,
     name: str | None = None,
