@@ -6,7 +6,7 @@ import sys
 
 from tyro.conf import Positional
 
-from dew.cli import checkpoints, demo, launch, tokenize  # each imports its heavy dependencies inside its function
+from dew.cli import checkpoints, demo, launch, serve, tokenize  # each imports its heavy dependencies inside its function
 
 
 def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False,
@@ -38,6 +38,7 @@ COMMANDS = {
     "tokenize": tokenize.run,
     "export": _export,
     "checkpoints": checkpoints.run,
+    "serve": serve.run,
 }
 
 

@@ -15,6 +15,9 @@ _EXPORTS = {
     "MaskedGeneration": "dew.inference.masked",
     "RunProcessor": "dew.inference.processor",
     "pipeline": "dew.inference.pipeline",
+    "Completion": "dew.inference.clients",
+    "OpenAICompletion": "dew.inference.clients",
+    "OllamaCompletion": "dew.inference.clients",
 }
 
 __all__ = sorted(_EXPORTS)

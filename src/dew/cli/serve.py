@@ -1,0 +1,84 @@
+"""`dew serve SOURCE`: a decoder behind OpenAI's and Ollama's HTTP APIs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+from tyro.conf import Positional
+
+
+def run(
+    source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    name: str | None = None,
+    slots: int = 8,
+    capacity: int | None = None,
+    max_in_flight: int | None = None,
+    page_size: int | None = None,
+    pages: int | None = None,
+    kv_cache: Literal["dense", "int8", "float8"] = "dense",
+    chunk: int | None = None,
+    prefix_cache: bool = False,
+    step: int | None = None,
+    dtype: str | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Serve a decoder over HTTP: OpenAI's /v1/models, /v1/completions and /v1/chat/completions,
+    Ollama's /api/generate, /api/chat and /api/tags, and /health and /metrics.
+
+    Args:
+        source: A saved run, a Hugging Face checkpoint directory or a Hub repository id (anything
+            dew.pipeline reads).
+        host: The address to listen on.
+        port: The port to listen on.
+        name: The model name clients ask for (default: the source's last path component).
+        slots: Rows decoding at once.
+        capacity: Tokens per request, prompt and continuation together (default: the model's
+            max_seq_len).
+        max_in_flight: Continuations running or waiting before a request is refused with 429
+            (default: four per slot).
+        page_size: Tokens per page of a paged KV cache.
+        pages: Pages in the paged cache's pool.
+        kv_cache: How the cache stores keys and values: "dense" (the compute dtype), "int8" or "float8".
+        chunk: Prefill long prompts this many tokens per step (needs a paged cache).
+        prefix_cache: Share the pages of prompts that begin alike (needs a paged cache).
+        step: Which checkpoint step of a saved run (default: the newest).
+        dtype: The compute dtype (default: the source's).
+        log_level: uvicorn's log level.
+    """
+    try:
+        import uvicorn
+    except ImportError:
+        raise ImportError("dew serve needs FastAPI and uvicorn: pip install 'dewml[serve]'.") from None
+    import dew
+    from dew.checks import count
+    from dew.inference.http import create_app
+    from dew.inference.serving import Server
+
+    count(port, "port")
+    task = dew.pipeline(source, step=step, dtype=dtype)
+    if not hasattr(task, "model") or not hasattr(task.model, "init_cache"):
+        raise ValueError(f"{source} serves a {type(task).__name__}; dew serve serves decoders (TextGeneration).")
+    options = {}
+    if page_size is not None or pages is not None or kv_cache != "dense":
+        from dew.nn.kv_cache import KVCache
+
+        quantized = {"dense": None, "int8": "int8", "float8": "float8_e4m3fn"}[kv_cache]
+        try:
+            options["kv_cache"] = KVCache(page_size=page_size, pages=pages, quantized=quantized)
+        except TypeError:
+            raise ValueError("This Dew's KVCache has no paged or quantized layout; leave out --page-size, --pages "
+                             "and --kv-cache to serve with the dense cache.") from None
+    if chunk is not None:
+        options["chunk"] = chunk
+    if prefix_cache:
+        options["prefix_cache"] = True
+    capacity = task.model.max_seq_len if capacity is None else capacity
+    engine = Server.from_task(task, slots=slots, capacity=capacity, **options)
+    name = name or Path(str(source).rstrip("/")).name
+    app = create_app(engine, name=name, max_in_flight=max_in_flight)
+    print(f"dew serve: {name} on http://{host}:{port} ({engine.slots} slots of {engine.capacity} tokens)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
