@@ -243,3 +243,26 @@ def test_bad_mixture_settings_are_refused_before_anything_runs(settings, message
 def test_bad_layer_plans_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         _model(**overrides)
+
+
+def test_dpo_trains_a_mixture_policy_unchanged():
+    """Post-training objectives call the model as they call a dense one; its routing is not logged."""
+    import json
+
+    from dew import Trainer
+    from dew.data import ByteTokenizer, Loading, PreferencePairs
+    from dew.objectives.rl import DPOObjective
+
+    tokenizer = ByteTokenizer()
+    prompt, chosen, rejected = tokenizer.encode("Tom:"), tokenizer.encode(" a dog"), tokenizer.encode(" no")
+    pair = {"chosen": prompt + chosen, "rejected": prompt + rejected,
+            "chosen_mask": [0] * len(prompt) + [1] * len(chosen),
+            "rejected_mask": [0] * len(prompt) + [1] * len(rejected)}
+    model = _model(vocab_size=256, max_seq_len=32, num_layers=2)
+    start = {"params": nn.unbox(jax.jit(model.init)(jax.random.key(0), _ids()))["params"]}
+    pairs = PreferencePairs(records=(json.dumps(pair),) * 8, seq_len=16,
+                            loading=Loading(workers=0, threads=1, read_buffer=2)).load(batch=8)
+    objective = DPOObjective(model, seq_len=15, beta=0.1, variables=start)
+    trainer = Trainer(objective, optax.adam(3e-3), key=jax.random.key(2))
+    trainer.fit(pairs, steps=6, log_every=3)
+    assert trainer.history[-1]["loss"] < trainer.history[0]["loss"]
