@@ -59,9 +59,10 @@ def _loop_reference(params, rows, top_k, normalize, scale, shared_gate):
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(normalize_top_k=True), dict(normalize_top_k=False, routed_scale=2.5),
-     dict(shared_expert_features=12, shared_expert_gate=True), dict(shared_expert_features=12)],
-    ids=["renormalized", "scaled", "gated-shared-expert", "shared-expert"],
+    [dict(normalize_top_k=True, grouped="ragged_dot"), dict(normalize_top_k=True, grouped="blocks"),
+     dict(normalize_top_k=False, routed_scale=2.5), dict(shared_expert_features=12, shared_expert_gate=True),
+     dict(shared_expert_features=12)],
+    ids=["renormalized-ragged-dot", "renormalized-blocks", "scaled", "gated-shared-expert", "shared-expert"],
 )
 def test_global_dispatch_computes_each_rows_top_k_experts(settings):
     layer = Mixture(num_experts=6, top_k=2, expert_features=10, **settings)
@@ -77,10 +78,11 @@ def test_global_dispatch_computes_each_rows_top_k_experts(settings):
                                          layer.shared_expert_gate)).max() > 1e-2
 
 
-def test_gradients_through_the_grouped_products_match_a_dense_formulation():
+@pytest.mark.parametrize("grouped", ["ragged_dot", "blocks"])
+def test_gradients_through_the_grouped_products_match_a_dense_formulation(grouped):
     """Every expert applied to every row, weighted by a mask of the chosen ones: the same layer
-    computed without sorting or ragged products, so its gradients check the dispatch's."""
-    layer = Mixture(num_experts=4, top_k=2, expert_features=8, normalize_top_k=True)
+    computed without sorting or grouped products, so its gradients check the dispatch's."""
+    layer = Mixture(num_experts=4, top_k=2, expert_features=8, normalize_top_k=True, grouped=grouped)
     rows = _rows(10)
     params = _params(layer, rows)
 
@@ -98,6 +100,21 @@ def test_gradients_through_the_grouped_products_match_a_dense_formulation():
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
     assert float(jnp.abs(ours["gate"]).max()) > 0  # the router learns through the chosen weights
+
+
+@pytest.mark.parametrize("rows, top_k", [(1, 2), (3, 1), (40, 3), (300, 2)])
+def test_blocked_and_ragged_grouped_products_agree_for_any_routing(rows, top_k):
+    """From one row (decoding: a block per row) to many (blocks of several rows), on routings that
+    leave experts empty or crowd one expert."""
+    x = _rows(rows, seed=rows)
+    ragged = Mixture(num_experts=8, top_k=top_k, expert_features=8, grouped="ragged_dot")
+    variables = ragged.init(jax.random.key(0), x)
+    crowded = jax.tree_util.tree_map(lambda v: v, nn.unbox(variables))
+    crowded["params"]["gate"] = crowded["params"]["gate"].at[:, 5].add(3.0)  # most rows pick expert 5
+    blocks = ragged.clone(grouped="blocks")
+    for params in (variables, crowded):
+        np.testing.assert_allclose(np.asarray(jax.jit(blocks.apply)(params, x)),
+                                   np.asarray(jax.jit(ragged.apply)(params, x)), atol=1e-5, rtol=1e-5)
 
 
 def test_the_router_records_its_statistics_only_when_asked():
@@ -220,6 +237,7 @@ def test_the_trainer_updates_router_and_experts():
         (dict(num_experts=4, top_k=2, expert_features=8, dispatch="exchange"), "dispatch='exchange' is not implemented"),
         (dict(num_experts=0, top_k=2, expert_features=8), "num_experts must be a positive integer"),
         (dict(num_experts=4, top_k=2, expert_features=8, shared_expert_gate=True), "needs a shared expert"),
+        (dict(num_experts=4, top_k=2, expert_features=8, grouped="dense"), "grouped='dense' is not one of"),
     ],
 )
 def test_bad_mixture_settings_are_refused_before_anything_runs(settings, message):

@@ -7,8 +7,12 @@
     y      += sigmoid(x @ shared_expert_gate) * shared_expert(x)     (Qwen's shared expert)
 
 ``dispatch="global"`` sorts the ``rows * k`` (row, expert) assignments by expert and runs each
-projection as one grouped matrix product (`jax.lax.ragged_dot`) over the sorted rows, so no
-assignment is dropped and no capacity is set. Dispatches are methods named ``_dispatch_<name>``
+projection as one grouped matrix product over the sorted rows, so no assignment is dropped and no
+capacity is set. The grouped product is `jax.lax.ragged_dot` (``grouped="ragged_dot"``) or, as
+``grouped="blocks"``, a batched product over fixed-size blocks of rows, each group padded to whole
+blocks and each block multiplied by its expert's kernel. XLA:CPU computes ``ragged_dot`` as a
+dense product masked to the groups, E times the work, so ``grouped="auto"`` takes blocks on the
+CPU and ``ragged_dot`` elsewhere; both compute the same layer. Dispatches are methods named ``_dispatch_<name>``
 taking the same arguments, so another one (an all-to-all over the ``expert`` mesh axis) adds a
 method without touching the router or the experts' parameters.
 
@@ -36,6 +40,8 @@ INIT_STD = 0.02
 ROUTER_COLLECTION = "router"
 SCORES = ("softmax",)  # the hook for DeepSeek's "sigmoid" scores (and its grouped top-k and bias)
 DISPATCHES = ("global",)
+GROUPED_PRODUCTS = ("auto", "ragged_dot", "blocks")
+MAX_BLOCK = 64  # rows per block of the blocked grouped product
 
 
 def _init(axes, std=INIT_STD):
@@ -56,6 +62,8 @@ class Mixture(nn.Module):
       shared_expert_features: hidden width of an expert every row goes through (None: none).
       shared_expert_gate: scale the shared expert by ``sigmoid(x @ shared_expert_gate)`` (Qwen).
       dispatch: how rows reach their experts ("global").
+      grouped: the grouped matrix product of the global dispatch ("auto", "ragged_dot", "blocks");
+        it never changes the result or the parameters.
     """
 
     num_experts: int
@@ -68,6 +76,7 @@ class Mixture(nn.Module):
     shared_expert_features: int | None = None
     shared_expert_gate: bool = False
     dispatch: str = "global"
+    grouped: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -87,6 +96,8 @@ class Mixture(nn.Module):
             raise ValueError(
                 f"Mixture.dispatch={self.dispatch!r} is not implemented; supported dispatches: {DISPATCHES}"
             )
+        if self.grouped not in GROUPED_PRODUCTS:
+            raise ValueError(f"Mixture.grouped={self.grouped!r} is not one of {GROUPED_PRODUCTS}")
         if self.shared_expert_gate and self.shared_expert_features is None:
             raise ValueError("Mixture.shared_expert_gate=True needs a shared expert: set shared_expert_features")
         if not self.routed_scale > 0:
@@ -120,16 +131,16 @@ class Mixture(nn.Module):
 
     def _dispatch_global(self, rows, weights, experts, kernels):
         """Every (row, expert) assignment, sorted by expert, through grouped matrix products."""
-        gate, up, down = kernels
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, rows in order
         source = order // k  # the row each sorted assignment reads
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        sorted_rows = rows[source]
-        hidden = nn.silu(jax.lax.ragged_dot(sorted_rows, gate, group_sizes)) * jax.lax.ragged_dot(
-            sorted_rows, up, group_sizes)
-        out = jax.lax.ragged_dot(hidden, down, group_sizes)
+        grouped = self.grouped
+        if grouped == "auto":
+            grouped = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
+        product = ragged_experts if grouped == "ragged_dot" else blocked_experts
+        out = product(rows[source], flat[order], group_sizes, kernels)
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         return jnp.zeros_like(rows).at[source].add(out)
 
@@ -150,6 +161,48 @@ class Mixture(nn.Module):
                 shared = jax.nn.sigmoid(gate(rows)) * shared
             out = out + shared
         return out.reshape(shape)
+
+
+def ragged_experts(rows, row_experts, group_sizes, kernels):
+    """SwiGLU experts over rows sorted by expert, each projection one `jax.lax.ragged_dot`."""
+    gate, up, down = kernels
+    hidden = nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
+    return jax.lax.ragged_dot(hidden, down, group_sizes)
+
+
+def block_rows(assignments: int, num_experts: int) -> int:
+    """Rows per block: about sqrt(2 * assignments) (padding against one kernel copy per block), a
+    power of two no larger than the mean group (one row per block when rows are fewer than
+    experts, as in decoding) and at most `MAX_BLOCK`."""
+    by_padding = 2 ** int(math.log2(max(1.0, math.sqrt(2 * assignments))))
+    by_groups = 2 ** int(math.log2(max(1, assignments // num_experts)))
+    return min(by_padding, by_groups, MAX_BLOCK)
+
+
+def blocked_experts(rows, row_experts, group_sizes, kernels):
+    """SwiGLU experts over rows sorted by expert, as batched products over blocks of rows.
+
+    Each expert's rows are padded to whole blocks of `block_rows` rows (zero rows, whose outputs
+    are zero and are dropped), every block is multiplied by its expert's kernels, and the rows are
+    read back from their slots. The number of blocks is the most any routing can need,
+    ``ceil((assignments + E * (block - 1)) / block)``, so shapes stay static.
+    """
+    gate, up, down = kernels
+    assignments, width = rows.shape
+    num_experts = gate.shape[0]
+    block = block_rows(assignments, num_experts)
+    num_blocks = -(-(assignments + num_experts * (block - 1)) // block)
+    padded_sizes = -(-group_sizes // block) * block
+    padded_ends = jnp.cumsum(padded_sizes)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    slots = padded_ends[row_experts] - padded_sizes[row_experts] + jnp.arange(assignments) - starts[row_experts]
+    block_experts = jnp.minimum(
+        jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), num_experts - 1)
+    blocks = jnp.zeros((num_blocks * block, width), rows.dtype).at[slots].set(rows)
+    blocks = blocks.reshape(num_blocks, block, width)
+    project = lambda x, kernel: jnp.einsum("bnd,bdf->bnf", x, kernel[block_experts])  # noqa: E731
+    hidden = nn.silu(project(blocks, gate)) * project(blocks, up)
+    return project(hidden, down).reshape(num_blocks * block, width)[slots]
 
 
 class Experts(nn.Module):
