@@ -91,7 +91,8 @@ def test_gradients_through_the_grouped_products_match_a_dense_formulation(groupe
         top, chosen = jax.lax.top_k(probs, 2)
         weights = jnp.sum(jax.nn.one_hot(chosen, 4) * (top / top.sum(-1, keepdims=True))[..., None], axis=1)
         e = params["experts"]
-        hidden = nn.silu(jnp.einsum("nd,edf->enf", rows, e["gate_proj"])) * jnp.einsum("nd,edf->enf", rows, e["up_proj"])
+        gate, up = (jnp.einsum("nd,edf->enf", rows, e[name]) for name in ("gate_proj", "up_proj"))
+        hidden = nn.silu(gate) * up
         return jnp.einsum("enf,efd,ne->nd", hidden, e["down_proj"], weights)
 
     target = jax.random.normal(jax.random.key(5), (10, WIDTH))
@@ -234,7 +235,8 @@ def test_the_trainer_updates_router_and_experts():
     [
         (dict(num_experts=4, top_k=5, expert_features=8), "top_k=5 is larger than num_experts=4"),
         (dict(num_experts=4, top_k=2, expert_features=8, score="sigmoid"), "score='sigmoid' is not implemented"),
-        (dict(num_experts=4, top_k=2, expert_features=8, dispatch="exchange"), "dispatch='exchange' is not implemented"),
+        (dict(num_experts=4, top_k=2, expert_features=8, dispatch="exchange"),
+         "dispatch='exchange' is not implemented"),
         (dict(num_experts=0, top_k=2, expert_features=8), "num_experts must be a positive integer"),
         (dict(num_experts=4, top_k=2, expert_features=8, shared_expert_gate=True), "needs a shared expert"),
         (dict(num_experts=4, top_k=2, expert_features=8, grouped="dense"), "grouped='dense' is not one of"),

@@ -12,9 +12,9 @@ capacity is set. The grouped product is `jax.lax.ragged_dot` (``grouped="ragged_
 ``grouped="blocks"``, a batched product over fixed-size blocks of rows, each group padded to whole
 blocks and each block multiplied by its expert's kernel. XLA:CPU computes ``ragged_dot`` as a
 dense product masked to the groups, E times the work, so ``grouped="auto"`` takes blocks on the
-CPU and ``ragged_dot`` elsewhere; both compute the same layer. Dispatches are methods named ``_dispatch_<name>``
-taking the same arguments, so another one (an all-to-all over the ``expert`` mesh axis) adds a
-method without touching the router or the experts' parameters.
+CPU and ``ragged_dot`` elsewhere; both compute the same layer. Dispatches are methods named
+``_dispatch_<name>`` taking the same arguments, so another one (an all-to-all over the ``expert``
+mesh axis) adds a method without touching the router or the experts' parameters.
 
 While applied with ``mutable=["router"]`` (as `LMObjective` does), each layer records its routing
 statistics in the ``router`` collection; `router_metrics` turns every layer's record into the
@@ -131,7 +131,7 @@ class Mixture(nn.Module):
 
     def _dispatch_global(self, rows, weights, experts, kernels):
         """Every (row, expert) assignment, sorted by expert, through grouped matrix products."""
-        n, k = experts.shape
+        k = experts.shape[-1]
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, rows in order
         source = order // k  # the row each sorted assignment reads

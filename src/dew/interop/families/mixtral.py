@@ -59,7 +59,8 @@ def hf_config(model: Any) -> dict[str, Any]:
     mixture = dict(model.mixture or {})
     if not mixture or set(model.mlp_plan) != {"mixture"}:
         raise ValueError(
-            f"mlp layers {list(model.mlp_plan)} cannot be exported as mixtral, whose every layer is a mixture of experts"
+            f"mlp layers {list(model.mlp_plan)} cannot be exported as mixtral, whose every layer is a "
+            "mixture of experts"
         )
     layer = Mixture(**mixture, parent=None)
     wanted = dict(score="softmax", normalize_top_k=True, routed_scale=1.0, shared_expert_features=None)

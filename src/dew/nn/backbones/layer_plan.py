@@ -108,7 +108,9 @@ def resolve_mlp_plan(
             raise ValueError(f"first_k_dense={first_k_dense} is more than num_layers={num_layers}")
         return (DENSE_MLP,) * first_k_dense + (MIXTURE_MLP,) * (num_layers - first_k_dense)
     if isinstance(mlp_layer_types, str):
-        raise TypeError(f"mlp_layer_types must be a sequence of names, one per layer, got the string {mlp_layer_types!r}")
+        raise TypeError(
+            f"mlp_layer_types must be a sequence of names, one per layer, got the string {mlp_layer_types!r}"
+        )
     types = tuple(mlp_layer_types)
     if first_k_dense:
         raise ValueError("give either mlp_layer_types or first_k_dense, not both")
