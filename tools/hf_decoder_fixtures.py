@@ -1,10 +1,12 @@
 """Build tiny random Hugging Face decoders and record what transformers computes with them.
 
-Writes one directory per model (Llama, Qwen3, Qwen3 with a sliding layer, Mistral) under tests/fixtures/hf/, read by tests/test_interop.py:
+Writes one directory per model (Llama, Qwen3, Qwen3 with a sliding layer, Mistral, Qwen2, Mixtral,
+Qwen3-MoE) under tests/fixtures/hf/, read by tests/test_interop.py and tests/test_moe_families.py:
 
     config.json, model.safetensors, generation_config.json   (save_pretrained, float32)
     reference.npz   input_ids [2, 12] and their logits [2, 12, vocab];
-                    prompt [2, 5] and its greedy continuation [2, 10] (generate, do_sample=False)
+                    prompt [2, 5] and its greedy continuation [2, 10] (generate, do_sample=False);
+                    for a mixture of experts, aux_loss: the load-balancing loss of input_ids
 
 The weights are seeded and drawn wider than HF's N(0, 0.02) initializer (and the RMSNorm scales are
 moved off 1), so the logits depend clearly on every tensor: a transposed or swapped weight, or a
@@ -62,6 +64,30 @@ FIXTURES = {
         SIZES, num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
         max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4,
     )),
+    # Qwen2.5-0.5B's structure: biases on q, k and v only, 7 query heads per key/value head
+    # (14 and 2 in the release), a tied head, RoPE base 1,000,000, no sliding window.
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        {k: v for k, v in SIZES.items() if k != "head_dim"},  # Qwen2's heads split hidden_size
+        hidden_size=56, num_attention_heads=7, num_key_value_heads=1, intermediate_size=96, tie_word_embeddings=True, max_position_embeddings=64, rope_theta=1000000.0,
+    )),
+    # Mixtral 8x7B's structure: every layer a mixture of 8 experts, top-2 with the chosen scores
+    # renormalized, grouped-query attention with 4 query heads per key/value head, an untied head
+    # and RoPE base 1,000,000 (narrow experts, to stay small).
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        SIZES, hidden_size=32, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=24,
+        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False, max_position_embeddings=64,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+    )),
+    # Qwen3-30B-A3B's structure: q/k norm, heads wider than the model (8 x 8 over a 32-wide
+    # residual, as 32 x 128 over 2048), softmax top-k routing with the chosen scores renormalized
+    # (norm_topk_prob) and an untied head; 3 layers, the middle one dense by mlp_only_layers and a
+    # dense MLP wider than the experts, as the release's dense intermediate_size is.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        SIZES, hidden_size=32, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+        intermediate_size=48, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+        max_position_embeddings=64, rope_theta=1000000.0,
+    )),
 }
 
 WEIGHT_STD = 0.15  # wider than HF's 0.02 so the logits are far from uniform
@@ -100,10 +126,14 @@ def record(name, seed):
             torch.from_numpy(prompt), attention_mask=torch.ones_like(torch.from_numpy(prompt)),
             max_new_tokens=10, do_sample=False, num_beams=1,
         ).numpy()[:, prompt.shape[1]:]
+    extra = {}
+    if getattr(model.config, "num_experts_per_tok", None):  # a mixture: its load-balancing loss too
+        with torch.no_grad():
+            extra["aux_loss"] = model(torch.from_numpy(input_ids), output_router_logits=True).aux_loss.numpy()
     np.savez_compressed(
         directory / "reference.npz",
         input_ids=input_ids.astype(np.int32), logits=logits.astype(np.float32),
-        prompt=prompt.astype(np.int32), greedy=generated.astype(np.int32),
+        prompt=prompt.astype(np.int32), greedy=generated.astype(np.int32), **extra,
     )
     size = sum(path.stat().st_size for path in directory.iterdir())
     print(f"{name}: {size / 1024:.0f} KiB, greedy {generated.tolist()}")

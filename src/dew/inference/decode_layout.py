@@ -6,7 +6,8 @@ through them fastest when they are few and wide and the kernels are stored ``[ou
 a `DecodeTransformer` and its variables, which compute the same function: per layer, q/k/v fused
 into ``self_attn/qkv_proj`` and gate/up into ``mlp/gate_up_proj``, and every projection kernel
 stored transposed as ``kernel_t`` (``[q + k + v, in]``, ``[out, in]`` for o, ``[2 * hidden, in]``,
-``[out, in]`` for down). The pair goes to `dew.sampling.generate` as it is.
+``[out, in]`` for down); a mixture layer's feed-forward (`dew.nn.moe.Mixture`) keeps its
+parameters as they are. The pair goes to `dew.sampling.generate` as it is.
 
 The model keeps its one layout for training, checkpoints and exports; this copy lives only as long
 as the `DecodeWeights` a task holds (`get(rows)` converts on first use, once per weights).
@@ -71,8 +72,8 @@ class DecodeSelfAttention(SelfAttention):
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         q_features, kv_features = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = TransposedDense(q_features + 2 * kv_features, self.use_bias, self.dtype, self.param_dtype,
-                              name="qkv_proj")(x)
+        qkv = TransposedDense(q_features + 2 * kv_features, self.use_bias or self.qkv_bias, self.dtype,
+                              self.param_dtype, name="qkv_proj")(x)
         q, k, v = jnp.split(qkv, [q_features, q_features + kv_features], axis=-1)
         return q, k, v
 
@@ -139,9 +140,10 @@ def _decode_block(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     qkv = [attention.pop(name) for name in ("q_proj", "k_proj", "v_proj")]
     attention["qkv_proj"] = _fused(qkv, f"{where}/self_attn/q_proj, k_proj, v_proj")
     attention["o_proj"] = _transposed(attention["o_proj"], f"{where}/self_attn/o_proj")
-    gate_up = [mlp.pop(name) for name in ("gate_proj", "up_proj")]
-    mlp["gate_up_proj"] = _fused(gate_up, f"{where}/mlp/gate_proj, up_proj")
-    mlp["down_proj"] = _transposed(mlp["down_proj"], f"{where}/mlp/down_proj")
+    if "experts" not in mlp:  # a mixture layer keeps its parameters as they are
+        gate_up = [mlp.pop(name) for name in ("gate_proj", "up_proj")]
+        mlp["gate_up_proj"] = _fused(gate_up, f"{where}/mlp/gate_proj, up_proj")
+        mlp["down_proj"] = _transposed(mlp["down_proj"], f"{where}/mlp/down_proj")
     return {**block, "self_attn": attention, "mlp": mlp}
 
 

@@ -146,9 +146,11 @@ def _weight_names(family: ModuleType, model: CausalTransformer,
         indices = range(model.num_layers) if "{i}" in weight.dew else [None]
         for i in indices:
             dew = weight.dew.format(i=i) if i is not None else weight.dew
-            if dew in expected:
-                hf = weight.hf.format(i=i) if i is not None else weight.hf
-                names.append(Weight(hf, dew, weight.transpose))
+            if dew not in expected:
+                continue
+            experts = range(expected[dew].shape[0]) if "{e}" in weight.hf else [None]
+            for e in experts:  # one checkpoint tensor per expert, one stacked param in Dew
+                names.append(Weight(weight.hf.format(i=i, e=e), dew, weight.transpose, e))
     covered = {w.dew for w in names}
     uncovered = sorted(set(expected) - covered)
     if uncovered:  # a table that misses a param is a bug in the family, not in the checkpoint
@@ -159,6 +161,8 @@ def _weight_names(family: ModuleType, model: CausalTransformer,
 
 
 def _hf_shape(weight: Weight, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if weight.expert is not None:  # one expert's slice of the stacked param
+        shape = shape[1:]
     return tuple(reversed(shape)) if weight.transpose else tuple(shape)
 
 
@@ -170,7 +174,7 @@ def _some(names: list[str], limit: int = 8) -> str:
 def _describe(config: Mapping[str, Any]) -> str:
     keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-            "attention_bias", "mlp_bias")
+            "attention_bias", "mlp_bias", "num_experts", "num_local_experts", "moe_intermediate_size")
     return ", ".join(f"{k}={config[k]}" for k in keys if k in config)
 
 
@@ -199,7 +203,7 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
         )
 
     dtype = jnp.dtype(param_dtype)
-    flat = {}
+    flat, experts = {}, {}
     for weight in names:
         want = _hf_shape(weight, expected[weight.dew].shape)
         got = checkpoint.shape(weight.hf)
@@ -211,7 +215,12 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
         array = checkpoint[weight.hf]
         if weight.transpose:
             array = array.T
+        if weight.expert is not None:
+            experts.setdefault(weight.dew, []).append(np.asarray(array, dtype=dtype))
+            continue
         flat[weight.dew] = jnp.asarray(np.asarray(array, dtype=dtype))
+    for path, slices in experts.items():  # the table lists a param's experts in order
+        flat[path] = jnp.asarray(np.stack(slices))
     if model.scan_layers:
         flat = _stack_layers(flat, model.num_layers)
     return _nested(flat)
@@ -566,6 +575,8 @@ class PretrainedDecoder(Pretrained):
         tensors = {}
         for weight in _weight_names(family, layered, _expected_params(layered)):
             array = np.asarray(jax.device_get(flat[weight.dew]))
+            if weight.expert is not None:
+                array = array[weight.expert]
             if weight.transpose:
                 array = array.T
             if dtype is not None and (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):

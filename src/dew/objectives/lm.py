@@ -21,6 +21,7 @@ import numpy as np
 
 from dew.checks import count
 from dew.inference.text import TextGeneration
+from dew.nn.moe import ROUTER_COLLECTION, router_metrics
 from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 from dew.sampling.text import Sampling, generate
 from dew.tracking.records import Artifact
@@ -97,6 +98,11 @@ class LMObjective(Objective):
 
     `model` may also be a loaded checkpoint bundle (anything with `.model` and `.variables`), in
     which case training starts from its weights. `variables=` starts from given weights.
+
+    For a model with mixture-of-experts layers the router's metrics (`dew.nn.moe.router_metrics`:
+    ``router/balance``, ``router/z`` and ``router/expert_{e}_tokens``) are logged, and
+    ``balance_coef * balance + z_loss_coef * z`` is added to the loss (both 0 by default;
+    transformers' Mixtral and Qwen-MoE train with ``router_aux_loss_coef=0.001``).
     """
 
     def __init__(
@@ -109,8 +115,15 @@ class LMObjective(Objective):
         ema_decay: float | None = None,
         samples: Samples | None = None,
         tokenizer: Any = None,
+        balance_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
     ):
         model, variables, tokenizer = decoder_parts(model, seq_len, variables, tokenizer)
+        for name, value in (("balance_coef", balance_coef), ("z_loss_coef", z_loss_coef)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0; got {value!r}")
+        self.balance_coef = float(balance_coef)
+        self.z_loss_coef = float(z_loss_coef)
         self.model = model
         self.seq_len = seq_len
         self.variables = variables
@@ -122,7 +135,8 @@ class LMObjective(Objective):
 
     def settings(self) -> dict[str, Any]:
         """What a run record keeps to rebuild this objective around its model."""
-        settings = {"seq_len": self.seq_len, "loss_role": self.loss_role, "ema_decay": self.ema_decay}
+        settings = {"seq_len": self.seq_len, "loss_role": self.loss_role, "ema_decay": self.ema_decay,
+                    "balance_coef": self.balance_coef, "z_loss_coef": self.z_loss_coef}
         if self.samples is not None:  # the preview's policy and budget, prompt as ids (the run keeps the tokenizer)
             settings["samples"] = dataclasses.replace(self.samples, prompt=self.samples.prompt_ids(), tokenizer=None)
         return settings
@@ -152,6 +166,11 @@ class LMObjective(Objective):
         """Per-target cross-entropy `[B, seq_len]` and the float mask of targets that count.
 
         `key` (training only) is handed to the model as its "dropout" stream."""
+        losses, mask, _ = self.token_losses_and_routing(variables, batch, key)
+        return losses, mask
+
+    def token_losses_and_routing(self, variables, batch, key=None):
+        """`token_losses` and the router's metrics (empty for a model without mixture layers)."""
         tokens = batch["text"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         kwargs = {}
@@ -167,16 +186,20 @@ class LMObjective(Objective):
             mask = mask * (batch["text_roles"][:, 1:] == self.loss_role)
         if key is not None:
             kwargs["rngs"] = {"dropout": key}
-        logits = self.model.apply(variables, inputs, **kwargs).astype(jnp.float32)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        logits, recorded = self.model.apply(variables, inputs, mutable=[ROUTER_COLLECTION], **kwargs)
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         losses = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-        return losses, mask
+        return losses, mask, router_metrics(recorded.get(ROUTER_COLLECTION, {}))
 
     def loss(self, variables, batch, step):
-        losses, mask = self.token_losses(variables, batch, step.key)
+        losses, mask, routing = self.token_losses_and_routing(variables, batch, step.key)
         tokens = jnp.sum(mask)
         loss = jnp.sum(losses * mask) / jnp.maximum(tokens, 1.0)
-        return loss, Aux(metrics={"tokens": tokens})
+        metrics = {"tokens": tokens}
+        if routing:
+            metrics.update({f"router/{name}": value for name, value in routing.items()}, cross_entropy=loss)
+            loss = loss + self.balance_coef * routing["balance"] + self.z_loss_coef * routing["z"]
+        return loss, Aux(metrics=metrics)
 
     def evaluate(self, variables, batch, step):
         losses, mask = self.token_losses(variables, batch)

@@ -23,8 +23,9 @@ AXES = ("replicas", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes the mesh names but no model or objective gives work to yet, and why a size above one is
 # refused rather than accepted and wasted.
 UNUSED_AXES = {
-    "expert": "no Dew model has mixture-of-experts layers, so the axis would only split the batch "
-    "as the data axis does",
+    "expert": "mixture-of-experts layers do not shard their experts over it yet (their dispatch is "
+    "global: every device holds every expert), so the axis would only split the batch as the data "
+    "axis does",
     "sequence": "no Dew objective splits a sequence's positions over devices, so each device on "
     "the axis would repeat the same computation",
 }

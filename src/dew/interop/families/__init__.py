@@ -10,12 +10,15 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from dew.interop.families import llama, mistral, qwen3
+from dew.interop.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
 DECODER_FAMILIES: dict[str, ModuleType] = {
     llama.MODEL_TYPE: llama,
     qwen3.MODEL_TYPE: qwen3,
     mistral.MODEL_TYPE: mistral,
+    qwen2.MODEL_TYPE: qwen2,
+    mixtral.MODEL_TYPE: mixtral,
+    qwen3_moe.MODEL_TYPE: qwen3_moe,
 }
 
 
@@ -48,7 +51,8 @@ def export_family(model: Any, preferred: str | None = None) -> ModuleType:
     """The family a CausalTransformer is written as.
 
     ``preferred`` (the model type the weights were loaded from) wins when it can express the model;
-    otherwise a model with q/k norm is qwen3 and one without is llama.
+    otherwise a model with mixture layers is qwen3_moe (with q/k norm) or mixtral (without), one
+    with q/k/v-only biases is qwen2, and a dense one is qwen3 (with q/k norm) or llama.
     """
     if preferred in DECODER_FAMILIES:
         try:
@@ -56,6 +60,11 @@ def export_family(model: Any, preferred: str | None = None) -> ModuleType:
             return DECODER_FAMILIES[preferred]
         except ValueError:
             pass
-    family = qwen3 if model.qk_norm else llama
+    if model.mixture is not None:
+        family = qwen3_moe if model.qk_norm else mixtral
+    elif model.qkv_bias and not model.attention_bias:
+        family = qwen2
+    else:
+        family = qwen3 if model.qk_norm else llama
     family.hf_config(model)  # raises, naming the setting, when even this family cannot express it
     return family

@@ -24,13 +24,17 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class Weight:
     """One tensor: its name in the checkpoint and its path in Dew's params.
 
-    ``{i}`` in either name stands for the layer index. ``transpose`` marks a linear layer's
-    weight, stored ``[out, in]`` by torch and ``[in, out]`` by Flax.
+    ``{i}`` in either name stands for the layer index. ``{e}`` in the checkpoint name stands for an
+    expert's index: the checkpoint holds one tensor per expert, Dew one param with the experts
+    stacked on its first axis (``expert`` says which slice, once the table is expanded).
+    ``transpose`` marks a linear layer's weight, stored ``[out, in]`` by torch and ``[in, out]``
+    by Flax.
     """
 
     hf: str
     dew: str
     transpose: bool = False
+    expert: int | None = None
 
 
 def _linear(module: str) -> tuple[Weight, Weight]:
@@ -177,8 +181,18 @@ def windows(model: Any) -> set[int]:
     return {kind.window for kind in model.layer_plan if kind.window is not None}
 
 
-def check_common(model: Any, family: str) -> None:
-    """Refuse settings no Llama-block family in transformers can express."""
+def check_common(model: Any, family: str, *, mixture: bool = False, qkv_bias: bool = False) -> None:
+    """Refuse settings no Llama-block family in transformers can express, and mixture layers or
+    q/k/v-only biases unless the family has them (``mixture``, ``qkv_bias``)."""
+    if model.mixture is not None and not mixture:
+        raise ValueError(
+            f"mixture-of-experts layers (mixture={dict(model.mixture)}) cannot be exported as {family}, "
+            "whose layers are dense; a mixture exports as qwen3_moe (with q/k norm) or mixtral"
+        )
+    if model.qkv_bias and not model.attention_bias and not qkv_bias:
+        raise ValueError(
+            f"qkv_bias=True (biases on q, k and v only) cannot be exported as {family}; it exports as qwen2"
+        )
     if not model.causal:
         raise ValueError(f"causal=False cannot be exported as {family}: transformers' decoders are causal")
     thetas = {kind.rope_theta for kind in model.layer_plan if kind.rope_theta is not None}

@@ -68,13 +68,19 @@ def hf_config(model: Any) -> dict[str, Any]:
             "which has one sliding_window for all sliding layers"
         )
     config = llama.decoder_config(model, MODEL_TYPE, ARCHITECTURE)
+    config.update(window_config(model))
+    return config
+
+
+def window_config(model: Any) -> dict[str, Any]:
+    """The sliding-window fields of a Qwen config.json (Qwen2 and Qwen3 read them alike)."""
+    windows = llama.windows(model)
     types = [SLIDING_ATTENTION if kind.window is not None else FULL_ATTENTION for kind in model.layer_plan]
     sliding = [i for i, name in enumerate(types) if name == SLIDING_ATTENTION]
-    config.update(
+    return dict(
         use_sliding_window=bool(sliding),
         sliding_window=windows.pop() if sliding else None,
         # transformers older than layer_types slid the layers from max_window_layers on
         max_window_layers=sliding[0] if sliding else model.num_layers,
         layer_types=types,
     )
-    return config

@@ -4,7 +4,8 @@ token embedding -> num_layers x DecoderBlock -> RMSNorm -> lm head (tied to the 
 
 DecoderBlock (pre-norm, as in Llama):
     x = x + self_attn(input_layernorm(x))          GQA attention with RoPE (and Qwen3's q/k norm)
-    x = x + mlp(post_attention_layernorm(x))       SwiGLU: down(silu(gate(x)) * up(x))
+    x = x + mlp(post_attention_layernorm(x))       SwiGLU: down(silu(gate(x)) * up(x)), or a
+                                                   mixture of SwiGLU experts (dew.nn.moe.Mixture)
 
 Parameter names follow Hugging Face's Llama layout (``layers_3/self_attn/q_proj/kernel`` for
 ``model.layers.3.self_attn.q_proj.weight``), with 2-D ``[in, out]`` kernels, so a checkpoint's
@@ -30,8 +31,9 @@ from flax.core import FrozenDict
 from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn.attention import cache_attention, check_attention_impl, dot_product_attention
-from dew.nn.backbones.layer_plan import LayerKind, resolve_layer_plan
+from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_plan, resolve_mlp_plan
 from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv, write_positions
+from dew.nn.moe import ROUTER_COLLECTION, Mixture
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 
 REMAT_POLICIES = ("full", "minimal", "save_qkv_proj", "minimal_offloaded", "save_qkv_proj_offloaded")
@@ -124,6 +126,7 @@ class SelfAttention(nn.Module):
     max_seq_len: int = 2048
     qk_norm: bool = True
     use_bias: bool = False
+    qkv_bias: bool = False
     norm_eps: float = 1e-6
     causal: bool = True
     attention_impl: str = "auto"
@@ -132,7 +135,7 @@ class SelfAttention(nn.Module):
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries ``[N, heads * head_dim]``, keys and values ``[N, kv_heads * head_dim]`` of rows ``[N, width]``."""
-        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        dense = dict(use_bias=self.use_bias or self.qkv_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         q = _dense(self.num_heads * self.head_dim, ("embed", "heads"), "q_proj", **dense)(x)
         k = _dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
         v = _dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
@@ -260,7 +263,9 @@ class DecoderBlock(nn.Module):
     norm_eps: float = 1e-6
     qk_norm: bool = True
     attention_bias: bool = False
+    qkv_bias: bool = False
     mlp_bias: bool = False
+    mixture: Mapping[str, Any] | None = None  # this layer's Mixture settings; None: a dense MLP
     causal: bool = True
     attention_impl: str = "auto"
     dtype: Any = jnp.float32
@@ -273,7 +278,7 @@ class DecoderBlock(nn.Module):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             num_layers=self.num_layers, window=self.window, rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len, qk_norm=self.qk_norm,
-            use_bias=self.attention_bias, norm_eps=self.norm_eps, causal=self.causal,
+            use_bias=self.attention_bias, qkv_bias=self.qkv_bias, norm_eps=self.norm_eps, causal=self.causal,
             attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
             name="self_attn",
         )
@@ -281,8 +286,12 @@ class DecoderBlock(nn.Module):
             RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids, layer_cache, slots, window
         )
         x = x + h
-        mlp = self.mlp_class(self.mlp_features, self.num_layers, use_bias=self.mlp_bias, dtype=self.dtype,
-                  param_dtype=self.param_dtype, name="mlp")
+        if self.mixture is None:
+            mlp = self.mlp_class(self.mlp_features, self.num_layers, use_bias=self.mlp_bias, dtype=self.dtype,
+                                 param_dtype=self.param_dtype, name="mlp")
+        else:
+            mlp = Mixture(**self.mixture, num_layers=self.num_layers, dtype=self.dtype,
+                          param_dtype=self.param_dtype, name="mlp")
         x = x + mlp(RMSNorm(name="post_attention_layernorm", **norm)(x))
         return x, new_cache
 
@@ -302,7 +311,12 @@ class CausalTransformer(nn.Module):
       mlp_features: SwiGLU hidden width (default: 4 * emb_features).
       rope_scaling: an HF ``rope_scaling`` dict (types "linear", "llama3", "yarn") or None.
       qk_norm: Qwen3's RMSNorm on each query/key head before RoPE.
+      attention_bias: biases on q, k, v and o (Llama's attention_bias); qkv_bias: on q, k, v only (Qwen2).
       layer_types, kinds: per-layer attention pattern (see layer_plan.py).
+      mixture: `dew.nn.moe.Mixture` settings (``{"num_experts": 8, "top_k": 2, "expert_features":
+        ...}``) for the mixture layers, or None for a dense model.
+      mlp_layer_types, first_k_dense: which layers are "dense" and which "mixture" (layer_plan.py;
+        by default every layer is a mixture when ``mixture`` is set).
       attention_impl: "auto", "reference", "xla" or "cudnn"; never changes the parameters.
       scan_layers: run the layers with nn.scan (params stacked under ``layers/``).
       remat: None, "full", "minimal" or "save_qkv_proj"; "minimal_offloaded" and
@@ -325,10 +339,14 @@ class CausalTransformer(nn.Module):
     qk_norm: bool = True
     tie_embeddings: bool = True
     attention_bias: bool = False
+    qkv_bias: bool = False
     mlp_bias: bool = False
     causal: bool = True
     layer_types: Sequence[str] | None = None
     kinds: Mapping[str, LayerKind] | None = None
+    mixture: Mapping[str, Any] | None = None
+    mlp_layer_types: Sequence[str] | None = None
+    first_k_dense: int = 0
     attention_impl: str = "auto"
     scan_layers: bool = False
     remat: str | None = None
@@ -343,6 +361,10 @@ class CausalTransformer(nn.Module):
             object.__setattr__(self, "kinds", FrozenDict(self.kinds))
         if self.layer_types is not None and not isinstance(self.layer_types, tuple):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.mixture is not None and not isinstance(self.mixture, FrozenDict):
+            object.__setattr__(self, "mixture", FrozenDict(self.mixture))
+        if self.mlp_layer_types is not None and not isinstance(self.mlp_layer_types, tuple):
+            object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         self._validate()
         super().__post_init__()
 
@@ -366,6 +388,17 @@ class CausalTransformer(nn.Module):
         remat_policy(self.remat)
         rope_type(self.rope_scaling)
         plan = self.layer_plan
+        mlp_plan = self.mlp_plan  # raises on a bad feed-forward plan
+        if self.mixture is not None:
+            reserved = sorted({"num_layers", "dtype", "param_dtype", "name", "parent"} & set(self.mixture))
+            if reserved:
+                raise ValueError(f"mixture= must not set {reserved}; the model passes its own")
+            Mixture(**self.mixture, parent=None)  # raises, naming the setting, on a bad mixture
+        if self.scan_layers and len(set(mlp_plan)) > 1:
+            raise ValueError(
+                f"scan_layers=True needs every layer to have the same feed-forward, but the layers mix "
+                f"{sorted(set(mlp_plan))} ones; use scan_layers=False for this layer plan"
+            )
         if self.scan_layers and len({kind.rope_theta for kind in plan}) > 1:
             raise ValueError(
                 "scan_layers=True needs every layer kind to share rope_theta (only windows may differ "
@@ -389,6 +422,11 @@ class CausalTransformer(nn.Module):
     @property
     def layer_plan(self) -> tuple[LayerKind, ...]:
         return resolve_layer_plan(self.num_layers, self.layer_types, self.kinds)
+
+    @property
+    def mlp_plan(self) -> tuple[str, ...]:
+        """Each layer's feed-forward: "dense" or "mixture"."""
+        return resolve_mlp_plan(self.num_layers, self.mlp_layer_types, self.first_k_dense, self.mixture is not None)
 
     def init_cache(self, batch_size: int, max_len: int | None = None, dtype: Any = None) -> KVCache:
         """An empty KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens."""
@@ -440,21 +478,25 @@ class CausalTransformer(nn.Module):
             num_heads=self.num_heads, num_kv_heads=self.kv_heads, head_dim=self.head_features,
             mlp_features=self.hidden_features, num_layers=self.num_layers, rope_scaling=self.rope_scaling,
             max_seq_len=self.max_seq_len, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
-            attention_bias=self.attention_bias, mlp_bias=self.mlp_bias, causal=self.causal,
-            attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
+            attention_bias=self.attention_bias, qkv_bias=self.qkv_bias, mlp_bias=self.mlp_bias,
+            causal=self.causal, attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
         )
+        mlp_plan = self.mlp_plan
         block_cls = self.block_class
         if self.remat is not None:
             block_cls = nn.remat(self.block_class, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)
 
         if self.scan_layers:
-            x, new_k, new_v = self._scanned_layers(block_cls, block_args, plan, x, positions, segment_ids,
-                                                   cache, slots)
+            mixture = self.mixture if mlp_plan[0] == MIXTURE_MLP else None
+            x, new_k, new_v = self._scanned_layers(block_cls, dict(block_args, mixture=mixture), plan, x,
+                                                   positions, segment_ids, cache, slots)
         else:
             new_k, new_v = [], []
             for i, kind in enumerate(plan):
                 theta = self.rope_theta if kind.rope_theta is None else kind.rope_theta
-                block = block_cls(window=kind.window, rope_theta=theta, name=f"layers_{i}", **block_args)
+                mixture = self.mixture if mlp_plan[i] == MIXTURE_MLP else None
+                block = block_cls(window=kind.window, rope_theta=theta, mixture=mixture, name=f"layers_{i}",
+                                  **block_args)
                 layer_cache = None if cache is None else cache.layer(i)
                 x, layer_cache = block(x, positions, segment_ids, layer_cache, slots, None)
                 if cache is not None:
@@ -489,7 +531,7 @@ class CausalTransformer(nn.Module):
             layer_windows = jnp.asarray([kind.window or 0 for kind in plan], jnp.int32)
         scanned = nn.scan(
             block_cls,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, ROUTER_COLLECTION: 0},
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
             length=self.num_layers,

@@ -1,10 +1,14 @@
-"""Which kind of attention each decoder layer runs.
+"""Which kind of attention and which feed-forward each decoder layer runs.
 
 A decoder's layer pattern is configuration: ``layer_types`` names each layer's kind (as in Hugging
 Face's ``config.layer_types``) and ``kinds`` says what a kind does. Two kinds are built in:
 "full_attention" (every earlier key) and "sliding_attention" (the last ``window`` keys, the
 query's own included), which has no default window, so ``kinds`` must give it one. Other names
 may be defined in ``kinds``.
+
+The feed-forward of each layer is "dense" (one SwiGLU MLP) or "mixture" (a routed mixture of
+experts, `dew.nn.moe.Mixture`): ``mlp_layer_types`` names it per layer, or ``first_k_dense`` makes
+the first k layers dense and the rest mixtures (DeepSeek's ``first_k_dense_replace``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from dew.checks import count
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 BUILTIN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+DENSE_MLP = "dense"
+MIXTURE_MLP = "mixture"
+MLP_LAYER_TYPES = (DENSE_MLP, MIXTURE_MLP)
 
 
 @dataclass(frozen=True)
@@ -78,3 +85,42 @@ def resolve_layer_plan(
             )
         plan.append(kind)
     return tuple(plan)
+
+
+def resolve_mlp_plan(
+    num_layers: int,
+    mlp_layer_types: Sequence[str] | None = None,
+    first_k_dense: int = 0,
+    has_mixture: bool = False,
+) -> tuple[str, ...]:
+    """Each layer's feed-forward, "dense" or "mixture".
+
+    Without a mixture every layer is dense. With one, ``mlp_layer_types`` names each layer's, or
+    (when it is None) the first ``first_k_dense`` layers are dense and the others mixtures.
+    """
+    first_k_dense = count(first_k_dense, "first_k_dense", minimum=0)
+    if mlp_layer_types is None:
+        if not has_mixture:
+            if first_k_dense:
+                raise ValueError(f"first_k_dense={first_k_dense} needs mixture layers; set mixture= or leave it 0")
+            return (DENSE_MLP,) * num_layers
+        if first_k_dense > num_layers:
+            raise ValueError(f"first_k_dense={first_k_dense} is more than num_layers={num_layers}")
+        return (DENSE_MLP,) * first_k_dense + (MIXTURE_MLP,) * (num_layers - first_k_dense)
+    if isinstance(mlp_layer_types, str):
+        raise TypeError(
+            f"mlp_layer_types must be a sequence of names, one per layer, got the string {mlp_layer_types!r}"
+        )
+    types = tuple(mlp_layer_types)
+    if first_k_dense:
+        raise ValueError("give either mlp_layer_types or first_k_dense, not both")
+    if len(types) != num_layers:
+        raise ValueError(
+            f"mlp_layer_types names {len(types)} layers but num_layers={num_layers}; give one name per layer"
+        )
+    for i, name in enumerate(types):
+        if name not in MLP_LAYER_TYPES:
+            raise ValueError(f"layer {i} has unknown mlp layer type {name!r}; valid types are {list(MLP_LAYER_TYPES)}")
+    if MIXTURE_MLP in types and not has_mixture:
+        raise ValueError("mlp_layer_types names 'mixture' layers but no mixture is set; pass mixture={...}")
+    return types

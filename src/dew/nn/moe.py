@@ -1,0 +1,282 @@
+"""A mixture-of-experts feed-forward layer: a router, SwiGLU experts, an optional shared expert.
+
+    probs   = softmax(x @ gate)                           router scores over E experts, float32
+    w, e    = top_k(probs)                                each row's k experts and their scores
+    w       = w / sum(w)   (normalize_top_k)              Mixtral always, Qwen3-MoE by norm_topk_prob
+    y       = routed_scale * sum_j w_j * expert_{e_j}(x)  expert(x) = down(silu(gate(x)) * up(x))
+    y      += sigmoid(x @ shared_expert_gate) * shared_expert(x)     (Qwen's shared expert)
+
+``dispatch="global"`` sorts the ``rows * k`` (row, expert) assignments by expert and runs each
+projection as one grouped matrix product over the sorted rows, so no assignment is dropped and no
+capacity is set. The grouped product is `jax.lax.ragged_dot` (``grouped="ragged_dot"``) or, as
+``grouped="blocks"``, a batched product over fixed-size blocks of rows, each group padded to whole
+blocks and each block multiplied by its expert's kernel. XLA:CPU computes ``ragged_dot`` as a
+dense product masked to the groups, E times the work, so ``grouped="auto"`` takes blocks on the
+CPU and ``ragged_dot`` elsewhere; both compute the same layer. Dispatches are methods named
+``_dispatch_<name>`` taking the same arguments, so another one (an all-to-all over the ``expert``
+mesh axis) adds a method without touching the router or the experts' parameters.
+
+While applied with ``mutable=["router"]`` (as `LMObjective` does), each layer records its routing
+statistics in the ``router`` collection; `router_metrics` turns every layer's record into the
+load-balancing loss of transformers' Mixtral and Qwen-MoE models (Switch Transformer, Fedus et al.
+2021, eq. 4-6, pooled over layers), the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5) and the
+tokens each expert received. Applied without it (generation), nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from dew.checks import count
+
+INIT_STD = 0.02
+ROUTER_COLLECTION = "router"
+SCORES = ("softmax",)  # the hook for DeepSeek's "sigmoid" scores (and its grouped top-k and bias)
+DISPATCHES = ("global",)
+GROUPED_PRODUCTS = ("auto", "ragged_dot", "blocks")
+MAX_BLOCK = 64  # rows per block of the blocked grouped product
+
+
+def _init(axes, std=INIT_STD):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+class Mixture(nn.Module):
+    """A routed mixture of SwiGLU experts for rows ``[..., width]``; returns the same shape.
+
+    Attributes:
+      num_experts: routed experts (E).
+      top_k: experts each row is sent to (k <= E).
+      expert_features: each expert's SwiGLU hidden width.
+      num_layers: the model's depth, for GPT-2's scaled init of the output projections.
+      score: how router logits become scores ("softmax").
+      normalize_top_k: divide the k chosen scores by their sum (Mixtral; Qwen's norm_topk_prob).
+      routed_scale: a factor on the routed experts' sum (DeepSeek's routed_scaling_factor).
+      shared_expert_features: hidden width of an expert every row goes through (None: none).
+      shared_expert_gate: scale the shared expert by ``sigmoid(x @ shared_expert_gate)`` (Qwen).
+      dispatch: how rows reach their experts ("global").
+      grouped: the grouped matrix product of the global dispatch ("auto", "ragged_dot", "blocks");
+        it never changes the result or the parameters.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_features: int
+    num_layers: int = 1
+    score: str = "softmax"
+    normalize_top_k: bool = False
+    routed_scale: float = 1.0
+    shared_expert_features: int | None = None
+    shared_expert_gate: bool = False
+    dispatch: str = "global"
+    grouped: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        count(self.num_experts, "Mixture.num_experts")
+        count(self.top_k, "Mixture.top_k")
+        count(self.expert_features, "Mixture.expert_features")
+        count(self.shared_expert_features, "Mixture.shared_expert_features", optional=True)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"Mixture.top_k={self.top_k} is larger than num_experts={self.num_experts}; each row "
+                "is routed to top_k distinct experts, so choose top_k <= num_experts"
+            )
+        if self.score not in SCORES:
+            raise ValueError(f"Mixture.score={self.score!r} is not implemented; supported scores: {SCORES}")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(
+                f"Mixture.dispatch={self.dispatch!r} is not implemented; supported dispatches: {DISPATCHES}"
+            )
+        if self.grouped not in GROUPED_PRODUCTS:
+            raise ValueError(f"Mixture.grouped={self.grouped!r} is not one of {GROUPED_PRODUCTS}")
+        if self.shared_expert_gate and self.shared_expert_features is None:
+            raise ValueError("Mixture.shared_expert_gate=True needs a shared expert: set shared_expert_features")
+        if not self.routed_scale > 0:
+            raise ValueError(f"Mixture.routed_scale must be positive, got {self.routed_scale!r}")
+        super().__post_init__()
+
+    # --- routing ---------------------------------------------------------------------------------
+
+    def route(self, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Router logits ``[N, E]`` (float32), and each row's k scores and expert ids ``[N, k]``."""
+        gate = self.param("gate", _init(("embed", None)), (rows.shape[-1], self.num_experts), self.param_dtype)
+        logits = (rows @ gate.astype(self.dtype)).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.normalize_top_k:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        self._record(logits, probs, experts)
+        return logits, weights * self.routed_scale, experts
+
+    def _record(self, logits: jax.Array, probs: jax.Array, experts: jax.Array) -> None:
+        """This layer's routing statistics, summed over its rows (see `router_metrics`)."""
+        if self.is_initializing() or not self.is_mutable_collection(ROUTER_COLLECTION):
+            return
+        assigned = jnp.zeros((self.num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+        self.sow(ROUTER_COLLECTION, "expert_tokens", assigned)
+        self.sow(ROUTER_COLLECTION, "expert_probability", jnp.sum(probs, axis=0))
+        self.sow(ROUTER_COLLECTION, "z", jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2))
+        self.sow(ROUTER_COLLECTION, "rows", jnp.asarray(logits.shape[0], jnp.float32))
+
+    # --- experts ---------------------------------------------------------------------------------
+
+    def _dispatch_global(self, rows, weights, experts, kernels):
+        """Every (row, expert) assignment, sorted by expert, through grouped matrix products."""
+        k = experts.shape[-1]
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, rows in order
+        source = order // k  # the row each sorted assignment reads
+        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        grouped = self.grouped
+        if grouped == "auto":
+            grouped = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
+        product = ragged_experts if grouped == "ragged_dot" else blocked_experts
+        out = product(rows[source], flat[order], group_sizes, kernels)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(rows).at[source].add(out)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).astype(self.dtype)
+        _, weights, experts = self.route(rows)
+        kernels = Experts(self.num_experts, self.expert_features, self.num_layers, dtype=self.dtype,
+                          param_dtype=self.param_dtype, name="experts")(shape[-1])
+        out = getattr(self, f"_dispatch_{self.dispatch}")(rows, weights, experts, kernels)
+        if self.shared_expert_features is not None:
+            shared = SharedExpert(self.shared_expert_features, self.num_layers, dtype=self.dtype,
+                                  param_dtype=self.param_dtype, name="shared_expert")(rows)
+            if self.shared_expert_gate:
+                gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                                kernel_init=_init(("embed", None)), name="shared_expert_gate")
+                shared = jax.nn.sigmoid(gate(rows)) * shared
+            out = out + shared
+        return out.reshape(shape)
+
+
+def ragged_experts(rows, row_experts, group_sizes, kernels):
+    """SwiGLU experts over rows sorted by expert, each projection one `jax.lax.ragged_dot`."""
+    gate, up, down = kernels
+    hidden = nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
+    return jax.lax.ragged_dot(hidden, down, group_sizes)
+
+
+def block_rows(assignments: int, num_experts: int) -> int:
+    """Rows per block: about sqrt(2 * assignments) (padding against one kernel copy per block), a
+    power of two no larger than the mean group (one row per block when rows are fewer than
+    experts, as in decoding) and at most `MAX_BLOCK`."""
+    by_padding = 2 ** int(math.log2(max(1.0, math.sqrt(2 * assignments))))
+    by_groups = 2 ** int(math.log2(max(1, assignments // num_experts)))
+    return min(by_padding, by_groups, MAX_BLOCK)
+
+
+def blocked_experts(rows, row_experts, group_sizes, kernels):
+    """SwiGLU experts over rows sorted by expert, as batched products over blocks of rows.
+
+    Each expert's rows are padded to whole blocks of `block_rows` rows (zero rows, whose outputs
+    are zero and are dropped), every block is multiplied by its expert's kernels, and the rows are
+    read back from their slots. The number of blocks is the most any routing can need,
+    ``ceil((assignments + E * (block - 1)) / block)``, so shapes stay static.
+    """
+    gate, up, down = kernels
+    assignments, width = rows.shape
+    num_experts = gate.shape[0]
+    block = block_rows(assignments, num_experts)
+    num_blocks = -(-(assignments + num_experts * (block - 1)) // block)
+    padded_sizes = -(-group_sizes // block) * block
+    padded_ends = jnp.cumsum(padded_sizes)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    slots = padded_ends[row_experts] - padded_sizes[row_experts] + jnp.arange(assignments) - starts[row_experts]
+    block_experts = jnp.minimum(
+        jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), num_experts - 1)
+    blocks = jnp.zeros((num_blocks * block, width), rows.dtype).at[slots].set(rows)
+    blocks = blocks.reshape(num_blocks, block, width)
+    project = lambda x, kernel: jnp.einsum("bnd,bdf->bnf", x, kernel[block_experts])  # noqa: E731
+    hidden = nn.silu(project(blocks, gate)) * project(blocks, up)
+    return project(hidden, down).reshape(num_blocks * block, width)[slots]
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked kernels: gate and up ``[E, width, F]``, down ``[E, F, width]``."""
+
+    num_experts: int
+    features: int
+    num_layers: int = 1
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        shape_in = (self.num_experts, width, self.features)
+        shape_out = (self.num_experts, self.features, width)
+        out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
+        gate = self.param("gate_proj", _init(("expert", "embed", "mlp")), shape_in, self.param_dtype)
+        up = self.param("up_proj", _init(("expert", "embed", "mlp")), shape_in, self.param_dtype)
+        down = self.param("down_proj", _init(("expert", "mlp", "embed"), out_std), shape_out, self.param_dtype)
+        return gate.astype(self.dtype), up.astype(self.dtype), down.astype(self.dtype)
+
+
+class SharedExpert(nn.Module):
+    """The expert every row goes through: SwiGLU, ``down(silu(gate(x)) * up(x))``, as Qwen names it."""
+
+    features: int
+    num_layers: int = 1
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, rows: jax.Array) -> jax.Array:
+        width = rows.shape[-1]
+        out_std = INIT_STD / math.sqrt(2 * self.num_layers)
+        dense = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+        gate = nn.Dense(self.features, kernel_init=_init(("embed", "mlp")), name="gate_proj", **dense)
+        up = nn.Dense(self.features, kernel_init=_init(("embed", "mlp")), name="up_proj", **dense)
+        down = nn.Dense(width, kernel_init=_init(("mlp", "embed"), out_std), name="down_proj", **dense)
+        return down(nn.silu(gate(rows)) * up(rows))
+
+
+# --- the router's statistics ---------------------------------------------------------------------
+
+
+def router_metrics(collection: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The routing metrics of one forward pass from its ``router`` collection (empty: no mixtures).
+
+    ``balance``: transformers' load-balancing loss, ``E * sum_e f_e * P_e`` with ``f_e`` the share
+    of (row, choice) assignments and ``P_e`` the mean router probability of expert ``e``, both
+    pooled over every mixture layer (k for a perfectly even router). ``z``: the mean over layers
+    and rows of ``logsumexp(logits)^2``. ``expert_{e}_tokens``: the assignments expert ``e``
+    received, averaged over the mixture layers.
+    """
+    flat = traverse_util.flatten_dict(dict(collection)) if collection else {}
+    sums: dict[str, jax.Array] = {}
+    layers = 0
+    for path, recorded in flat.items():
+        name = path[-1]
+        for value in (recorded if isinstance(recorded, tuple) else (recorded,)):
+            value = jnp.asarray(value)
+            keep = 1 if name in ("expert_tokens", "expert_probability") else 0
+            total = jnp.sum(value.reshape((-1,) + value.shape[value.ndim - keep:]), axis=0)
+            sums[name] = sums.get(name, 0.0) + total
+            if name == "rows":
+                layers += value.size  # a scanned stack records one entry per layer
+    if not sums:
+        return {}
+    rows = sums["rows"]
+    tokens, probability = sums["expert_tokens"], sums["expert_probability"]
+    num_experts = tokens.shape[-1]
+    metrics = {
+        "balance": num_experts * jnp.sum((tokens / rows) * (probability / rows)),
+        "z": sums["z"] / rows,
+    }
+    for e in range(num_experts):
+        metrics[f"expert_{e}_tokens"] = tokens[e] / layers
+    return metrics
