@@ -14,6 +14,7 @@ objects with an ``.args`` tuple (the `eval-harness` extra installs lm-eval).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Sequence
@@ -167,8 +168,8 @@ class DewLM(_Base):
     def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
         """Each context's continuation, cut at the first of its `until` strings.
 
-        Requests with the same generation settings run together, `batch_size` at a time, through the
-        task with its KV cache: greedy unless they ask to sample.
+        Requests with the same budget and sampling settings run together, `batch_size` at a time,
+        through the task with its KV cache: greedy unless they ask to sample.
         """
         import jax
 
@@ -180,11 +181,11 @@ class DewLM(_Base):
         for index, request in enumerate(requests):
             context, options = _args(request, 2, "generate_until")
             settings.append(self._generation_settings(options))
-            groups.setdefault(repr(settings[-1]), []).append(index)
+            until, budget, sampling_options = settings[-1]  # the until strings only cut the text
+            groups.setdefault(repr((budget, sampling_options)), []).append(index)
         eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False) if self.eot_token_id is not None else None
         for group_number, indices in enumerate(groups.values()):
-            until, budget, sampling_options = settings[indices[0]]
-            stops = list(until) + ([eos_text] if eos_text is not None and eos_text not in until else [])
+            _, budget, sampling_options = settings[indices[0]]
             if budget >= self.max_length:
                 raise ValueError(f"max_gen_toks={budget} leaves no room for a context in max_length={self.max_length} tokens.")
             eos = () if self.eot_token_id is None else (self.eot_token_id,)
@@ -196,8 +197,9 @@ class DewLM(_Base):
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), group_number), start)
                 drawn = self.task(prompts, budget, key=key, sampling=sampling).host()
                 for i, row, length in zip(chunk, drawn.tokens, drawn.lengths):
-                    text = self.tok_decode([int(t) for t in row[: int(length)]])
-                    results[i] = cut_at(text, stops)
+                    until = settings[i][0]
+                    stops = list(until) + ([eos_text] if eos_text is not None and eos_text not in until else [])
+                    results[i] = cut_at(self.tok_decode([int(t) for t in row[: int(length)]]), stops)
         return results
 
     def _generation_settings(self, options: Any) -> tuple[tuple[str, ...], int, dict[str, Any]]:
@@ -261,20 +263,28 @@ class DewLM(_Base):
         return results
 
 
-def _score_function(model: Any):
-    """A jitted (variables, inputs, targets) -> (log-probability of each target, whether it is the
-    argmax), each [rows, width]; one compilation per input shape."""
+def _score(variables: Any, inputs: Any, targets: Any, *, model: Any):
+    """(log-probability of each target, whether it is the argmax), each [rows, width]."""
     import jax
     import jax.numpy as jnp
 
-    @jax.jit
-    def score(variables, inputs, targets):
-        logits = model.apply(variables, inputs).astype(jnp.float32)
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
-        picked = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-        return picked, jnp.argmax(logits, axis=-1) == targets
+    logits = model.apply(variables, inputs).astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    return picked, jnp.argmax(logits, axis=-1) == targets
 
-    return score
+
+def _score_function(model: Any):
+    """`_score` over `model`, jitted once per process: one compilation per model and input shape."""
+    global _score_jit
+    if _score_jit is None:
+        import jax
+
+        _score_jit = jax.jit(_score, static_argnames="model")
+    return functools.partial(_score_jit, model=model)
+
+
+_score_jit = None
 
 
 def padded_width(length: int, limit: int) -> int:
