@@ -162,3 +162,31 @@ def test_the_module_imports_without_lm_eval():
         from lm_eval.api.model import LM
 
         assert issubclass(DewLM, LM)
+
+
+@pytest.mark.reference
+def test_simple_evaluate_over_dewlm_gives_hflms_task_scores(monkeypatch):
+    """lm-eval's own evaluator, over the local multiple-choice and perplexity tasks: DewLM's scores
+    are HFLM's, live on the same weights and as recorded."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    tasks = (FIXTURE / "tasks").resolve()
+    model = (FIXTURE / "model").resolve()
+    monkeypatch.chdir(tasks)  # the task YAMLs name their data files relative to their directory
+    names = ["dew_tiny_mc", "dew_tiny_perplexity"]
+
+    def scores(lm):
+        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=TaskManager(include_path=str(tasks)),
+                                          random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+        return {task: {k: v for k, v in results["results"][task].items() if k in EXPECTED["scores"][task]} for task in names}
+
+    dew_scores = scores(DewLM(model, batch_size=EXPECTED["batch_size"]))
+    hf_scores = scores(HFLM(pretrained=str(model), device="cpu", dtype="float32", batch_size=EXPECTED["batch_size"]))
+    for reference in (hf_scores, EXPECTED["scores"]):
+        assert dew_scores.keys() == reference.keys()
+        for task in names:
+            assert dew_scores[task].keys() == reference[task].keys()
+            for metric, value in reference[task].items():
+                assert dew_scores[task][metric] == pytest.approx(value, rel=1e-4), (task, metric)
