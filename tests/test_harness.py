@@ -125,7 +125,7 @@ def test_a_byte_level_task_scores_what_its_logits_say():
     """A Dew task with a ByteTokenizer (no special tokens): an empty context is conditioned on EOS,
     and the score is the sum of the continuation's log-softmax read one position back."""
     model = CausalTransformer(vocab_size=256, emb_features=32, num_layers=1, num_heads=2, mlp_features=64, max_seq_len=16)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     task = TextGeneration(model, variables, processor=ByteTokenizer())
     lm = DewLM(task, batch_size=2)
     [(empty, _), (plain, _)] = lm.loglikelihood([SimpleNamespace(args=("", "hi")), SimpleNamespace(args=("a b ", "c"))])
@@ -140,7 +140,7 @@ def test_a_byte_level_task_scores_what_its_logits_say():
 
 def test_bad_input_fails_early_with_what_to_do(lm):
     model = CausalTransformer(vocab_size=32, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16)
-    bare = TextGeneration(model, model.init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))
+    bare = TextGeneration(model, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))
     with pytest.raises(ValueError, match="has no tokenizer; pass tokenizer="):
         DewLM(bare)
     with pytest.raises(ValueError, match="longer than the model's max_seq_len=64"):

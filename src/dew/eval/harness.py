@@ -59,7 +59,9 @@ class DewLM(_Base):
     Args:
       source: a saved run, a checkpoint directory or a Hub id (through `dew.pipeline`, which takes
         `pipeline_options` such as step=, ema=, dtype=, mesh=), or a TextGeneration task.
-      batch_size: rows per forward pass (the batch is padded to it, so it compiles once per width).
+      batch_size: rows per forward pass (the batch is padded to it, so it compiles once per width);
+        on a task placed over several devices it is rounded up to a multiple of their row shards,
+        and each device scores its share.
       max_length: the context window in tokens (default: the model's max_seq_len, as HFLM reads
         max_position_embeddings).
       max_gen_toks: the generation budget when a request names none.
@@ -108,6 +110,10 @@ class DewLM(_Base):
         self.prefix_token_id = int(prefix_token_id)
         self._special_tokens = "add_special_tokens" in inspect.signature(self.tokenizer.encode).parameters
         self._score = _score_function(model)
+        self._row_sharding = self.task.row_sharding if jax_process_count() == 1 else None
+        if self._row_sharding is not None:  # data parallel: each device scores its share of the rows
+            shards = row_shards(self._row_sharding)
+            self.batch_size = -(-self.batch_size // shards) * shards
 
     # --- tokenization, as HFLM does it ----------------------------------------------------------
 
@@ -209,11 +215,12 @@ class DewLM(_Base):
         options = dict(options)
         until = options.pop("until", None)
         until = [until] if isinstance(until, str) else list(until or [])
-        budget = self.max_gen_toks
+        budget = None  # the first of lm-eval's names for it, in its order of priority
         for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens"):
             value = options.pop(name, None)
-            if value is not None and budget == self.max_gen_toks:
+            if value is not None and budget is None:
                 budget = count(int(value), name)
+        budget = self.max_gen_toks if budget is None else budget
         temperature = float(options.pop("temperature", 0.0) or 0.0)
         do_sample = options.pop("do_sample", None)
         sampled = bool(do_sample) if do_sample is not None else temperature > 0
@@ -254,6 +261,10 @@ class DewLM(_Base):
                 tokens = rows[i][0]
                 inputs[slot, : tokens.size - 1] = tokens[:-1]
                 targets[slot, : tokens.size - 1] = tokens[1:]
+            if self._row_sharding is not None:
+                import jax
+
+                inputs, targets = (jax.device_put(a, self._row_sharding) for a in (inputs, targets))
             logprobs, greedy = (np.asarray(a) for a in self._score(self.task.variables, inputs, targets))
             for slot, i in enumerate(chunk):
                 tokens, length = rows[i]
@@ -285,6 +296,18 @@ def _score_function(model: Any):
 
 
 _score_jit = None
+
+
+def jax_process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def row_shards(sharding: Any) -> int:
+    """How many ways `sharding` splits the rows (axis 0) of a 2-D array."""
+    rows = int(np.prod(list(sharding.mesh.shape.values())))  # divisible by every row split
+    return rows // sharding.shard_shape((rows, 1))[0]
 
 
 def padded_width(length: int, limit: int) -> int:
