@@ -151,6 +151,11 @@ def test_bad_input_fails_early_with_what_to_do(lm):
         DewLM(3)
     with pytest.raises(ValueError, match=r"\['num_beams'\] are not supported"):
         lm.generate_until([SimpleNamespace(args=("a", {"until": ["."], "num_beams": 4}))])
+    with pytest.raises(ValueError, match="fixed batch_size"):
+        DewLM.create_from_arg_obj({"source": str(FIXTURE / "model")}, {"batch_size": "auto"})
+    with pytest.raises(ValueError, match="drop device="):
+        DewLM.create_from_arg_obj({"source": str(FIXTURE / "model")}, {"device": "cuda"})
+    assert lm.token_text(lm.eot_token_id) == "<|endoftext|>"  # the pad id too, which decode drops
     with pytest.raises(ValueError, match="args are a tuple of 2"):
         lm.loglikelihood([SimpleNamespace(args=("only context",))])
 
@@ -183,6 +188,9 @@ def test_simple_evaluate_over_dewlm_gives_hflms_task_scores(monkeypatch):
         return {task: {k: v for k, v in results["results"][task].items() if k in EXPECTED["scores"][task]} for task in names}
 
     dew_scores = scores(DewLM(model, batch_size=EXPECTED["batch_size"]))
+    by_name = lm_eval.simple_evaluate(model="dew", model_args=f"source={model},batch_size=4", tasks=names[:1],
+                                      task_manager=TaskManager(include_path=str(tasks)))  # registered as "dew"
+    assert by_name["results"]["dew_tiny_mc"]["acc,none"] == pytest.approx(EXPECTED["scores"]["dew_tiny_mc"]["acc,none"])
     hf_scores = scores(HFLM(pretrained=str(model), device="cpu", dtype="float32", batch_size=EXPECTED["batch_size"]))
     for reference in (hf_scores, EXPECTED["scores"]):
         assert dew_scores.keys() == reference.keys()

@@ -26,8 +26,12 @@ from dew.checks import count
 
 try:  # lm-eval's base class when it is installed, so lm_eval.simple_evaluate accepts a DewLM
     from lm_eval.api.model import LM as _Base
+    from lm_eval.api.registry import register_model as _register
 except ImportError:  # the adapter works without it, over any request objects with .args
     _Base = object
+
+    def _register(*names):
+        return lambda cls: cls
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's max_gen_toks when a request names none
 MIN_WIDTH = 8
@@ -53,6 +57,7 @@ def _pipeline(source: Any, options: dict[str, Any]) -> Any:
     return task
 
 
+@_register("dew")  # simple_evaluate(model="dew", model_args={"source": ...}) once this module is imported
 class DewLM(_Base):
     """lm-eval's `LM` over a Dew decoder: `loglikelihood`, `loglikelihood_rolling`, `generate_until`.
 
@@ -115,6 +120,33 @@ class DewLM(_Base):
             shards = row_shards(self._row_sharding)
             self.batch_size = -(-self.batch_size // shards) * shards
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None) -> DewLM:
+        """A DewLM from lm-eval's model arguments (`model="dew"`, `model_args={"source": ...}`).
+
+        lm-eval's batch_size (a string from its command line) must name a fixed size; its device
+        setting has no meaning here, since JAX places the weights (pass mesh= instead).
+        """
+        options = {**arg_dict, **{k: v for k, v in (additional_config or {}).items() if v is not None}}
+        options.pop("max_batch_size", None)  # only read by lm-eval's automatic batch sizes
+        if options.pop("device", None) is not None:
+            raise ValueError("DewLM places its weights with JAX; drop device= (pass mesh=MeshSpec(...) to spread them).")
+        size = options.get("batch_size")
+        if isinstance(size, str):
+            if not size.isdigit():
+                raise ValueError(f"DewLM takes a fixed batch_size (it compiles once per width); got {size!r}.")
+            options["batch_size"] = int(size)
+        if "source" not in options:
+            raise ValueError(f"DewLM's model_args need source= (a run, a checkpoint directory or a Hub id); got {sorted(options)}.")
+        return cls(options.pop("source"), **options)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> DewLM:
+        """A DewLM from lm-eval's "source=runs/lm,batch_size=16" argument string."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     # --- tokenization, as HFLM does it ----------------------------------------------------------
 
     def tok_encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
@@ -123,8 +155,16 @@ class DewLM(_Base):
         if not self._special_tokens:
             return list(self.tokenizer.encode(text))
         if add_special_tokens is None:
-            add_special_tokens = not text.startswith(self.tok_decode([self.prefix_token_id], skip_special_tokens=False))
+            add_special_tokens = not text.startswith(self.token_text(self.prefix_token_id))
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_text(self, token: int) -> str:
+        """The text of one token, special tokens included (an HFTokenizer's decode drops its pad id,
+        which is often the EOS)."""
+        text = self.tok_decode([token], skip_special_tokens=False)
+        if text == "" and callable(getattr(self.tokenizer, "id_to_token", None)):
+            text = self.tokenizer.id_to_token(token) or ""
+        return text
 
     def tok_decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._special_tokens:  # HF tokenizers can leave special tokens out
@@ -189,7 +229,7 @@ class DewLM(_Base):
             settings.append(self._generation_settings(options))
             until, budget, sampling_options = settings[-1]  # the until strings only cut the text
             groups.setdefault(repr((budget, sampling_options)), []).append(index)
-        eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False) if self.eot_token_id is not None else None
+        eos_text = None if self.eot_token_id is None else self.token_text(self.eot_token_id)
         for group_number, indices in enumerate(groups.values()):
             _, budget, sampling_options = settings[indices[0]]
             if budget >= self.max_length:
