@@ -23,6 +23,7 @@ from dew.eval import harness
 from dew.eval.harness import DewLM, cut_at, rolling_windows
 from dew.inference.text import TextGeneration
 from dew.nn.backbones.causal_transformer import CausalTransformer
+from dew.sampling.text import Sampling
 
 FIXTURE = Path("tests/fixtures/harness")
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
@@ -121,13 +122,18 @@ def test_rolling_windows_are_lm_evals_example():
     assert cut_at("one. two\nthree", ["\n", "."]) == "one" and cut_at("abc", ["", "zz"]) == "abc"
 
 
-def test_a_byte_level_task_scores_what_its_logits_say():
-    """A Dew task with a ByteTokenizer (no special tokens): an empty context is conditioned on EOS,
-    and the score is the sum of the continuation's log-softmax read one position back."""
+@pytest.fixture(scope="module")
+def byte_task():
     model = CausalTransformer(vocab_size=256, emb_features=32, num_layers=1, num_heads=2, mlp_features=64, max_seq_len=16)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    task = TextGeneration(model, variables, processor=ByteTokenizer())
-    lm = DewLM(task, batch_size=2)
+    return TextGeneration(model, variables, processor=ByteTokenizer())
+
+
+def test_a_byte_level_task_scores_what_its_logits_say(byte_task):
+    """A Dew task with a ByteTokenizer (no special tokens): an empty context is conditioned on EOS,
+    and the score is the sum of the continuation's log-softmax read one position back."""
+    model, variables = byte_task.model, byte_task.variables
+    lm = DewLM(byte_task, batch_size=2)
     [(empty, _), (plain, _)] = lm.loglikelihood([SimpleNamespace(args=("", "hi")), SimpleNamespace(args=("a b ", "c"))])
 
     def direct(tokens, scored):
@@ -136,6 +142,16 @@ def test_a_byte_level_task_scores_what_its_logits_say():
 
     assert empty == pytest.approx(direct([0, ord("h"), ord("i")], 2), abs=1e-5)
     assert plain == pytest.approx(direct(list(b"a b c"), 2), abs=1e-5)  # " c": the trailing space moved
+
+
+def test_greedy_generation_is_the_tasks_and_sampling_follows_the_seed(byte_task):
+    lm = DewLM(byte_task, batch_size=2)
+    [greedy] = lm.generate_until([SimpleNamespace(args=("ab", {"until": ["never"], "max_gen_toks": 4}))])
+    drawn = byte_task([list(b"ab")] * 2, 4, seed=0, sampling=Sampling(temperature=0.0, eos_token_ids=(0,))).host()
+    assert greedy == ByteTokenizer().decode(drawn.tokens[0, : drawn.lengths[0]])
+    sampled = [SimpleNamespace(args=("ab", {"max_gen_toks": 4, "do_sample": True, "temperature": 1.0}))] * 2
+    assert lm.generate_until(sampled) == DewLM(byte_task, batch_size=2).generate_until(sampled)
+    assert DewLM(byte_task, batch_size=2, seed=1).generate_until(sampled) != lm.generate_until(sampled)
 
 
 def test_bad_input_fails_early_with_what_to_do(lm):

@@ -214,7 +214,8 @@ class DewLM(_Base):
     def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
         """Each context's continuation, cut at the first of its `until` strings.
 
-        Requests with the same budget and sampling settings run together, `batch_size` at a time,
+        Requests with the same budget and sampling settings run together, `batch_size` at a time
+        (a short batch is filled with copies of its first prompt, so it compiles as a full one),
         through the task with its KV cache: greedy unless they ask to sample.
         """
         import jax
@@ -240,6 +241,7 @@ class DewLM(_Base):
                 chunk = indices[start:start + self.batch_size]
                 prompts = [self.tok_encode(_args(requests[i], 2, "generate_until")[0])[-(self.max_length - budget):]
                            for i in chunk]
+                prompts += prompts[:1] * (self.batch_size - len(prompts))  # filler rows: one shape per width
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), group_number), start)
                 drawn = self.task(prompts, budget, key=key, sampling=sampling).host()
                 for i, row, length in zip(chunk, drawn.tokens, drawn.lengths):
