@@ -214,3 +214,27 @@ def test_simple_evaluate_over_dewlm_gives_hflms_task_scores(monkeypatch):
             assert dew_scores[task].keys() == reference[task].keys()
             for metric, value in reference[task].items():
                 assert dew_scores[task][metric] == pytest.approx(value, rel=1e-4), (task, metric)
+
+
+def test_a_saved_run_scores_as_its_own_task(tmp_path):
+    """A run directory goes through dew.pipeline, with the run's tokenizer (its EMA weights by default)."""
+    from dew import Checkpoints, Dataset, Trainer
+    from dew.config import ModelConfig, ObjectiveConfig, OptimConfig, RunConfig
+    from dew.objectives.lm import LMObjective
+
+    tokenizer = ByteTokenizer()
+    model = CausalTransformer(vocab_size=256, emb_features=32, num_layers=1, num_heads=2, mlp_features=64, max_seq_len=16)
+    objective = LMObjective(model, seq_len=8, ema_decay=0.5, tokenizer=tokenizer)
+    batch = {"text": np.tile(np.frombuffer(b"abcabcabc", np.uint8).astype(np.int32), (8, 1))}
+    optim = OptimConfig(optimizer="adam", learning_rate=1e-2)
+    checkpoints = Checkpoints(tmp_path / "run")
+    state = Trainer(objective, optim.build(), key=jax.random.key(0), checkpoints=checkpoints).fit(
+        Dataset.from_records(batch, batch=8), steps=1, log_every=1, checkpoint_every=1)
+    checkpoints.wait()
+    RunConfig(model=ModelConfig.from_model(model), optim=optim, objective=ObjectiveConfig.from_objective(objective)).save(
+        tmp_path / "run", tokenizer=tokenizer)
+
+    request = [SimpleNamespace(args=("ab", "ca"))]
+    from_run = DewLM(tmp_path / "run", batch_size=2)
+    assert from_run.loglikelihood(request) == DewLM(objective.pipeline(state), batch_size=2, tokenizer=tokenizer).loglikelihood(request)
+    assert from_run.loglikelihood(request) != DewLM(tmp_path / "run", batch_size=2, ema=False).loglikelihood(request)
