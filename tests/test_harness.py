@@ -165,6 +165,9 @@ def test_bad_input_fails_early_with_what_to_do(lm):
         DewLM(lm.task, step=3)
     with pytest.raises(TypeError, match="got int"):
         DewLM(3)
+    with pytest.raises(ValueError, match="max_gen_toks=64 leaves no room"):
+        lm.generate_until([SimpleNamespace(args=("a", {"until": ["."], "max_gen_toks": 8})),
+                           SimpleNamespace(args=("a", {"until": ["."], "max_gen_toks": 64}))])
     with pytest.raises(ValueError, match=r"\['num_beams'\] are not supported"):
         lm.generate_until([SimpleNamespace(args=("a", {"until": ["."], "num_beams": 4}))])
     with pytest.raises(ValueError, match="fixed batch_size"):

@@ -225,16 +225,13 @@ class DewLM(_Base):
         results: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         settings = []
-        for index, request in enumerate(requests):
-            context, options = _args(request, 2, "generate_until")
-            settings.append(self._generation_settings(options))
-            until, budget, sampling_options = settings[-1]  # the until strings only cut the text
+        for index, request in enumerate(requests):  # every request checked before any generates
+            settings.append(self._generation_settings(_args(request, 2, "generate_until")[1]))
+            _, budget, sampling_options = settings[-1]  # the until strings only cut the text
             groups.setdefault(repr((budget, sampling_options)), []).append(index)
         eos_text = None if self.eot_token_id is None else self.token_text(self.eot_token_id)
         for group_number, indices in enumerate(groups.values()):
             _, budget, sampling_options = settings[indices[0]]
-            if budget >= self.max_length:
-                raise ValueError(f"max_gen_toks={budget} leaves no room for a context in max_length={self.max_length} tokens.")
             eos = () if self.eot_token_id is None else (self.eot_token_id,)
             sampling = Sampling(eos_token_ids=eos, pad_id=self.task.sampling.pad_id, **sampling_options)
             for start in range(0, len(indices), self.batch_size):
@@ -275,6 +272,11 @@ class DewLM(_Base):
             raise ValueError(
                 f"generate_until settings {sorted(options)} are not supported by DewLM; it reads until, "
                 "max_gen_toks (or max_new_tokens), do_sample, temperature, top_k and top_p."
+            )
+        if budget >= self.max_length:
+            raise ValueError(
+                f"max_gen_toks={budget} leaves no room for a context in max_length={self.max_length} tokens; "
+                "ask for fewer tokens."
             )
         return tuple(until), budget, sampling
 
