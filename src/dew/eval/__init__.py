@@ -1,4 +1,5 @@
-"""Evaluation: scoring a validation pass with metrics (perplexity, FID, PSNR, SSIM, probes).
+"""Evaluation: scoring a validation pass with metrics (perplexity, FID, PSNR, SSIM, probes), and
+DewLM, a decoder behind lm-eval-harness.
 
 Names resolve on first use, so importing `dew.eval` stays cheap.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dew._lazy import lazy_getattr
 
 _EXPORTS = {
+    "DewLM": "dew.eval.harness",
     "Evaluation": "dew.eval.evaluation",
     "EvaluationResult": "dew.eval.evaluation",
     "MeanOutputs": "dew.eval.evaluation",
