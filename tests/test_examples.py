@@ -103,3 +103,25 @@ def test_sft_lora_smoke_trains_the_adapter_alone_and_exports_it(tmp_path):
         "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
     reloaded = Pretrained.load(tmp_path / "base").adapt(adapter, key=0)
     assert sorted(reloaded.variables) == ["base", "params"]
+
+
+def test_evaluate_and_serve_smoke_scores_both_runs_and_the_served_decoder_matches_local(tmp_path):
+    import json
+    import math
+
+    report = load_example("evaluate_and_serve").main(["--smoke", "--report", str(tmp_path / "report.json")])
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    decoder, images = (next(r for r in report.values() if r["kind"] == kind) for kind in ("decoder", "images"))
+    # a 4-step byte model is barely better than uniform over 256 bytes, and no worse than a few times it
+    assert 1.0 < decoder["perplexity"] < 4 * 256 and decoder["held_out_tokens"] > 1000
+    served = decoder["served"]
+    assert served["equal"] and served["served"] == served["local"] and len(served["served"]) == 3
+    assert served["usage"]["completion_tokens"] == 3 * 4
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        assert "pip install 'dewml[eval-harness]'" in decoder["lm_eval"]["skipped"]
+    else:
+        assert set(decoder["lm_eval"]) == {"dew_tiny_mc", "dew_tiny_perplexity"}
+    assert images["samples"] == 16 and math.isfinite(images["fid_random_conv"]) and images["fid_random_conv"] > 0
+    assert -1.0 <= images["sample_range"][0] <= images["sample_range"][1] <= 1.0

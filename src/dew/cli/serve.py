@@ -23,6 +23,7 @@ def run(
     chunk: int | None = None,
     prefix_cache: bool = False,
     step: int | None = None,
+    live: bool = False,
     dtype: str | None = None,
     log_level: str = "warning",
 ) -> None:
@@ -46,6 +47,8 @@ def run(
         chunk: Prefill long prompts this many tokens per step (needs a paged cache).
         prefix_cache: Share the pages of prompts that begin alike (needs a paged cache).
         step: Which checkpoint step of a saved run (default: the newest).
+        live: Serve a saved run's live weights instead of its EMA copy (needed for a run that
+            keeps no EMA).
         dtype: The compute dtype (default: the source's).
         log_level: uvicorn's log level.
     """
@@ -59,7 +62,7 @@ def run(
     from dew.inference.serving import Server
 
     count(port, "port")
-    task = dew.pipeline(source, step=step, dtype=dtype)
+    task = dew.pipeline(source, step=step, dtype=dtype, ema=not live)
     if not hasattr(task, "model") or not hasattr(task.model, "init_cache"):
         raise ValueError(f"{source} serves a {type(task).__name__}; dew serve serves decoders (TextGeneration).")
     options = {}
