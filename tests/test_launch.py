@@ -139,3 +139,14 @@ def test_bad_launches_and_late_joins_are_clear_errors():
         capture_output=True, text=True, timeout=120,
         env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu"})
     assert no_pool.returncode != 0 and "found no process pool" in no_pool.stderr
+
+
+@pytest.mark.slow
+def test_the_multihost_example_rehearses_on_two_cpu_processes(tokens):
+    """The README's rehearsal of examples/train_multihost.py: two processes of two simulated devices."""
+    run = dew_launch("--processes-per-host", "2", "--env", "JAX_PLATFORMS=cpu",
+                     "--env", "XLA_FLAGS=--xla_force_host_platform_device_count=2", "--env", "DEW_STEPS=3",
+                     "--env", f"DEW_TOKEN_DIR={tokens / 'tokens'}", "--env", f"DEW_CHECKPOINT_DIR={tokens / 'example-run'}",
+                     "--", sys.executable, str(REPO / "examples" / "train_multihost.py"))
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "[0] Process 0: 3 updates" in run.stdout and "[1] Process 1: 3 updates" in run.stdout
