@@ -192,7 +192,7 @@ class LMObjective(Objective):
         return losses, mask, router_metrics(recorded.get(ROUTER_COLLECTION, {}))
 
     def loss(self, variables, batch, step):
-        losses, mask, routing = self.token_losses_and_routing(variables, batch, step.key)
+        losses, mask, routing = self.token_losses_and_routing(variables, batch, None if step is None else step.key)
         tokens = jnp.sum(mask)
         loss = jnp.sum(losses * mask) / jnp.maximum(tokens, 1.0)
         metrics = {"tokens": tokens}
