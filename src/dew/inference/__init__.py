@@ -15,6 +15,8 @@ _EXPORTS = {
     "MaskedGeneration": "dew.inference.masked",
     "RunProcessor": "dew.inference.processor",
     "pipeline": "dew.inference.pipeline",
+    "Server": "dew.inference.serving",
+    "TokenEvent": "dew.inference.serving",
     "Completion": "dew.inference.clients",
     "OpenAICompletion": "dew.inference.clients",
     "OllamaCompletion": "dew.inference.clients",
