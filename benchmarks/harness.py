@@ -51,6 +51,31 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def hardware() -> str:
+    """The processor and the cores this process may run on, for a report."""
+    import platform
+
+    return f"{platform.processor() or platform.machine()}, {cores()} cores"
+
+
+def timed_fit(trainer, batches: Sequence, batch: int, steps: int) -> float:
+    """Wall seconds of `trainer.fit` over `steps` steps of `batches` ("text" rows, cycled), as a
+    user's fit call runs them (its log lines go to stderr, the worker's log)."""
+    import itertools
+
+    import jax
+
+    from dew import Dataset
+
+    rows = [{"text": b} for b in batches]
+    data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows), batch=batch)
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        state = trainer.fit(data, steps=steps, log_every=steps)
+    jax.block_until_ready(state)
+    return time.perf_counter() - start
+
+
 def peer_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The caller's environment without any setting in `SLOWING`: the peer at its defaults."""
     environ = dict(os.environ if environ is None else environ)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -353,7 +352,7 @@ def decode_record(result: harness.Comparison, batch: int, new: int, workdir: Pat
     else:
         record["goal"] = "dew_over_best_peer >= 3 (XLA:CPU's floor: xla_matmul_floor_tokens_per_s)"
     record.update({
-        "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores",
+        "hardware": harness.hardware(),
         "jax": dew.info["jax"], "torch": hf.info.get("torch"), "transformers": hf.info.get("transformers"),
     })
     return record

@@ -34,11 +34,8 @@ Prints one JSON line per size.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import itertools
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -120,7 +117,7 @@ class DewSide(harness.Runner):
         from dew.nn.backbones import CausalTransformer
         from dew.objectives.lm import LMObjective
 
-        self.jax, self.size = jax, size
+        self.size = size
         model = CausalTransformer(
             vocab_size=VOCAB, emb_features=size.width, num_layers=size.layers, num_heads=size.heads,
             num_kv_heads=size.heads, mlp_features=size.mlp, max_seq_len=size.context, rope_theta=ROPE_THETA,
@@ -138,15 +135,7 @@ class DewSide(harness.Runner):
 
     def fit(self, batches, steps: int) -> float:
         """Train `steps` steps from a fresh state, as a user's `fit` call does; the wall seconds."""
-        from dew import Dataset
-
-        rows = [{"text": b} for b in batches]
-        data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows), batch=self.size.batch)
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            state = self.trainer.fit(data, steps=steps, log_every=steps)
-        self.jax.block_until_ready(state)
-        return time.perf_counter() - start
+        return harness.timed_fit(self.trainer, batches, self.size.batch, steps)
 
     def window(self):
         return self.fit(self.timed, self.steps), self.steps * self.size.batch * self.size.context
@@ -329,7 +318,7 @@ def run_size(name: str, size: Size, args, corpus: np.ndarray, corpus_name: str) 
         "dew_fraction_of_matmul": round(dew.rate * flops_per_token / ceiling, 3) if ceiling else None,
         "best_peer_fraction_of_matmul": round(best.rate * flops_per_token / ceiling, 3) if ceiling else None,
         "torch_default_threads": torch_default.info.get("threads"),
-        "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores",
+        "hardware": harness.hardware(),
         "jax": dew.info.get("jax"),
         "torch": torch_default.info.get("torch"),
         "transformers": torch_default.info.get("transformers"),

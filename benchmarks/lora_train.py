@@ -18,10 +18,7 @@ in the same rounds), so the LoRA step can be read against it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -66,7 +63,6 @@ class DewSide(harness.Runner):
         from dew.nn.adapters import LoRA
         from dew.objectives.lm import LMObjective
 
-        self.jax = jax
         pretrained = Pretrained.load(workdir / "checkpoint", dtype=jnp.float32, max_seq_len=CONTEXT)
         bundle = pretrained if full else pretrained.adapt(LoRA(rank=RANK, alpha=ALPHA, modules=MODULES), key=0)
         optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=0.0)
@@ -81,15 +77,7 @@ class DewSide(harness.Runner):
 
     def fit(self, batches, steps: int) -> float:
         """Train `steps` steps from a fresh state, as a user's `fit` call does; the wall seconds."""
-        from dew import Dataset
-
-        rows = [{"text": b} for b in batches]
-        data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows), batch=BATCH)
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            state = self.trainer.fit(data, steps=steps, log_every=steps)
-        self.jax.block_until_ready(state)
-        return time.perf_counter() - start
+        return harness.timed_fit(self.trainer, batches, BATCH, steps)
 
     def window(self):
         return self.fit(self.timed, self.steps), self.steps * BATCH * CONTEXT
@@ -209,7 +197,7 @@ def main() -> None:
                             "peft": [peer_loss.info.get("loss_first"), peer_loss.info.get("loss_last")]},
         "loss_steps": steps,
         "window_steps": window,
-        "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores",
+        "hardware": harness.hardware(),
         "jax": dew.info.get("jax"),
         "torch": peer_loss.info.get("torch"),
         "peft": peer_loss.info.get("peft"),

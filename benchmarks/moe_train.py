@@ -24,10 +24,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -59,7 +56,6 @@ class DewSide(harness.Runner):
         from dew.nn.backbones import CausalTransformer
         from dew.objectives.lm import LMObjective
 
-        self.jax = jax
         model = CausalTransformer(
             vocab_size=VOCAB, emb_features=SIZE.width, num_layers=SIZE.layers, num_heads=SIZE.heads,
             num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp_features=SIZE.mlp, max_seq_len=SIZE.context,
@@ -83,15 +79,7 @@ class DewSide(harness.Runner):
 
     def fit(self, batches, steps: int) -> float:
         """Train `steps` steps from a fresh state, as a user's `fit` call does; the wall seconds."""
-        from dew import Dataset
-
-        rows = [{"text": b} for b in batches]
-        data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows), batch=SIZE.batch)
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            state = self.trainer.fit(data, steps=steps, log_every=steps)
-        self.jax.block_until_ready(state)
-        return time.perf_counter() - start
+        return harness.timed_fit(self.trainer, batches, SIZE.batch, steps)
 
     def window(self):
         return self.fit(self.timed, self.steps), self.steps * SIZE.batch * SIZE.context
@@ -242,7 +230,7 @@ def main() -> None:
         "matmul_gflops": {"jax_f32_1024": dew.finished.get("matmul_gflops"),
                           "torch_f32_1024": torch_default.finished.get("matmul_gflops")},
         "torch_default_threads": torch_default.info.get("threads"),
-        "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores",
+        "hardware": harness.hardware(),
         "jax": dew.info.get("jax"),
         "torch": torch_default.info.get("torch"),
         "transformers": torch_default.info.get("transformers"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -206,7 +205,7 @@ def main() -> None:
                                       python=args.peer_python))
         result = harness.compare(sides, args.repeats, workdir=workdir)
         record = {"benchmark": "serve", "load": load, "repeats": args.repeats,
-                  "hardware": f"{platform.processor() or platform.machine()}, {harness.cores()} cores"}
+                  "hardware": harness.hardware()}
         for outcome in result.outcomes:
             record[outcome.name] = {"tokens_per_second": outcome.rate, "unavailable": outcome.unavailable,
                                     **(outcome.finished or {}), "info": outcome.info}
