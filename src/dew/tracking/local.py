@@ -56,8 +56,7 @@ class LocalTracker(Tracker):
         stem = f"{artifact.name}" + ("" if step is None else f"-{int(step):08d}")
         if artifact.kind == "text":
             path = folder / f"{stem}.txt"
-            text = artifact.data if isinstance(artifact.data, str) else "\n".join(artifact.data)
-            write_atomic(path, text)
+            write_atomic(path, artifact.text)
         else:
             path = folder / f"{stem}.png"
             write_atomic(path, png_bytes(artifact.data))

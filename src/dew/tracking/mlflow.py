@@ -82,8 +82,7 @@ class MLflowTracker(Tracker):
 
     def artifact(self, artifact: Artifact, step=None):
         if artifact.kind == "text":
-            text = artifact.data if isinstance(artifact.data, str) else "\n".join(artifact.data)
-            self._client.log_text(self.run_id, text, f"{artifact.name}/step-{step or 0:08d}.txt")
+            self._client.log_text(self.run_id, artifact.text, f"{artifact.name}/step-{step or 0:08d}.txt")
         else:
             self._client.log_image(self.run_id, to_uint8(artifact.data), key=artifact.name, step=step or 0)
 

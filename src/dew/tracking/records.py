@@ -63,6 +63,11 @@ class Artifact:
         if self.kind not in ("text", "image"):
             raise ValueError(f"Artifact kind must be 'text' or 'image'; got {self.kind!r}.")
 
+    @property
+    def text(self) -> str:
+        """A text artifact's data as one string (a sequence of lines joined by newlines)."""
+        return self.data if isinstance(self.data, str) else "\n".join(self.data)
+
 
 @dataclasses.dataclass(frozen=True)
 class ProfileCaptured:

@@ -49,8 +49,7 @@ class TensorBoardTracker(Tracker):
 
     def artifact(self, artifact: Artifact, step=None):
         if artifact.kind == "text":
-            text = artifact.data if isinstance(artifact.data, str) else "\n".join(artifact.data)
-            self._writer.add_text(artifact.name, text, step)
+            self._writer.add_text(artifact.name, artifact.text, step)
         else:
             image = to_uint8(artifact.data)
             self._writer.add_image(artifact.name, image, step, dataformats="HWC" if image.ndim == 3 else "HW")
