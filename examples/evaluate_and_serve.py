@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -41,7 +42,7 @@ def score_decoder(run: Path, task, ema: bool, text: str, tasks: tuple[Path, list
     request = type("Request", (), {"args": (text,)})()
     total = scorer.loglikelihood_rolling([request])[0]
     tokens = len(task.processor.tokenizer.encode(text))
-    report = {"kind": "decoder", "held_out_tokens": tokens, "perplexity": float(2.718281828459045 ** (-total / tokens))}
+    report = {"kind": "decoder", "held_out_tokens": tokens, "perplexity": math.exp(-total / tokens)}
     report["lm_eval"] = lm_eval_suite(scorer, tasks)
     report["served"] = served_comparison(run, task, ema, new_tokens)
     return report
@@ -136,7 +137,7 @@ def evaluate(run: Path, args) -> dict:
 
     # a saved run serves its EMA weights when it keeps them; a checkpoint directory has one set
     ema = not (run / RUN_FILE).is_file() or RunConfig.load(run).objective.settings.get("ema_decay") is not None
-    task = dew.pipeline(run, ema=ema) if (run / RUN_FILE).is_file() else dew.pipeline(run)
+    task = dew.pipeline(run, ema=ema)
     kind = type(task).__name__
     if kind == "TextGeneration":
         text = Path(args.text).read_text() if args.text else _held_out_text()
