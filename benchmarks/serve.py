@@ -10,7 +10,8 @@ process (benchmarks/harness.py):
   all finish; a request's time to first token is when its first token reached the host.
 - Dew's static batches: `generate` over the requests 16 at a time in arrival order (prompts padded
   to the batch's longest); a request's first token is visible when its batch's call returns.
-- transformers' continuous batching, `model.generate_batch` (its defaults), at torch's defaults.
+- transformers' continuous batching, `model.generate_batch` (its defaults), at torch's default thread
+  count and at each smaller one (`harness.torch_sides`); the Server's ratio is against the fastest.
 
 A window serves the whole load once; the rate is generated tokens over its wall time (median of
 --repeats windows after a warm-up that compiles). Time to first token is reported as p50/p99 over
@@ -123,12 +124,12 @@ class DewSide(harness.Runner):
 class TransformersSide(harness.Runner):
     """transformers' `generate_batch` (continuous batching with its paged cache) over the same load."""
 
-    def __init__(self, workdir: Path, load: dict):
+    def __init__(self, workdir: Path, load: dict, keep_tokens: bool = True):
         import torch
         import transformers
         from transformers import GenerationConfig
 
-        self.torch, self.workdir, self.load = torch, workdir, load
+        self.torch, self.workdir, self.load, self.keep_tokens = torch, workdir, load, keep_tokens
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(workdir / "checkpoint"), dtype=torch.float32).eval()
         self.prompts = load_prompts(workdir)
@@ -154,14 +155,19 @@ class TransformersSide(harness.Runner):
         return self.serve()[0], len(self.prompts) * self.load["new"]
 
     def finish(self):
-        np.save(self.workdir / "tokens_hf.npy", np.asarray(self.tokens))
+        if self.keep_tokens:  # one configuration writes the tokens compared with the Server's
+            np.save(self.workdir / "tokens_hf.npy", np.asarray(self.tokens))
         return {"first_token_s": percentiles(self.first_token_s) if self.first_token_s else None}
 
 
 def worker(config: dict) -> harness.Runner:
     workdir, load = Path(config["workdir"]), config["load"]
     if config["side"] == "torch":
-        return TransformersSide(workdir, load)
+        if config["threads"] is not None:  # torch's own call; its default uses every core
+            import torch
+
+            torch.set_num_threads(config["threads"])
+        return TransformersSide(workdir, load, keep_tokens=config.get("loss_run", False))
     return DewSide(workdir, load, static=config["side"] == "static")
 
 
@@ -201,8 +207,8 @@ def main() -> None:
                  harness.side("dew static generate", "reference", script, [], {**config, "side": "static"},
                               python=args.dew_python, env=harness.dew_environment())]
         if not args.no_peer:
-            sides.append(harness.side("transformers generate_batch", "peer", script, [], {**config, "side": "torch"},
-                                      python=args.peer_python))
+            sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=False,
+                                         python=args.peer_python, label="transformers generate_batch")
         result = harness.compare(sides, args.repeats, workdir=workdir)
         record = {"benchmark": "serve", "load": load, "repeats": args.repeats,
                   "hardware": harness.hardware()}
