@@ -2,6 +2,7 @@
 
 import glob
 import json
+import sys
 
 import jax
 import optax
@@ -71,6 +72,30 @@ def test_a_profiler_around_a_fit_captures_the_train_step_with_its_manifest(tmp_p
     second = profiler.stop()
     assert second != capture and profiler.captures == [capture, second] and (capture / "manifest.json").exists()
     assert trace_of(second)[1].get("jit__train_step") == 6  # no checkpoints: the fit starts again at 0
+
+
+def test_xprof_converts_a_capture_into_its_reports_and_its_absence_is_said(tmp_path, monkeypatch):
+    pytest.importorskip("xprof.convert", reason="XProf is not installed (the profile extra)")
+    trainer = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0))
+    with Profiler(tmp_path / "with") as profiler:
+        trainer.fit(linear_data(), steps=3, log_every=3)
+    (capture,) = profiler.captures
+    reports = profiler.manifest["reports"]
+    # XProf read this capture: its host op table holds the fit's Grain reads, three steps' worth.
+    assert reports["framework_op_stats"]["available"]
+    (table, *_) = json.loads((capture / reports["framework_op_stats"]["file"]).read_text())
+    operations = {row["c"][3]["v"]: row["c"][4]["v"] for row in table["rows"]}
+    assert any(name.endswith("__getitem__") and occurrences >= 3 for name, occurrences in operations.items())
+    assert reports["input_pipeline_analyzer"]["available"]
+    # A report XProf does not build for XLA:CPU is listed as missing, with why.
+    assert reports["kernel_stats"] == {"available": False, "reason": "XProf offers no kernel_stats for this backend"}
+
+    monkeypatch.setitem(sys.modules, "xprof.convert", None)  # as if the extra were not installed
+    with Profiler(tmp_path / "without") as bare:
+        trainer.fit(linear_data(), steps=1, log_every=1)
+    missing = bare.manifest["reports"]["overview_page"]
+    assert not missing["available"] and "pip install 'dewml[profile]'" in missing["reason"]
+    assert bare.manifest["reports"]["trace_events"]["available"]
 
 
 def test_a_profiler_without_a_directory_makes_one_and_one_capture_runs_at_a_time(tmp_path):
