@@ -134,6 +134,34 @@ def test_byte_tokens_with_a_template_get_exact_roles():
     assert bytes(i for i, r in zip(ids, roles) if r == Role.ASSISTANT).decode() == "<assistant>Hello!\n"
 
 
+def test_template_controls_pass_through_and_unknown_ones_are_refused():
+    """A control the template reads (Qwen3's enable_thinking here) changes the rendering and the
+    roles follow it; a name the template never reads is refused when the dataset is built."""
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' and enable_thinking is defined "
+                "and not enable_thinking %}<think></think>{% endif %}{{ m.content }}\n{% endfor %}")
+    plain = ChatMessages([SIMPLE], ByteTokenizer(), seq_len=60, chat_template=template)
+    quiet = ChatMessages([SIMPLE], ByteTokenizer(), seq_len=60, chat_template=template,
+                         chat_template_kwargs={"enable_thinking": False})
+    assert bytes(plain.render(SIMPLE)[0]).decode() == "<user>Hi there\n<assistant>Hello!\n"
+    ids, roles = quiet.render(SIMPLE)
+    assert bytes(ids).decode() == "<user>Hi there\n<assistant><think></think>Hello!\n"
+    assert bytes(i for i, r in zip(ids, roles) if r == Role.ASSISTANT).decode() == "<assistant><think></think>Hello!\n"
+    with pytest.raises(ValueError, match="reads no thinking_budget; the controls it reads are: enable_thinking"):
+        ChatMessages([SIMPLE], ByteTokenizer(), seq_len=60, chat_template=template,
+                     chat_template_kwargs={"thinking_budget": 3})
+
+    from dew.data.prompts import Prompts
+
+    class Templated(ByteTokenizer):
+        chat_template = template + ("{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+                                    "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+    quiet_prompts = Prompts([{"prompt": [{"role": "user", "content": "Hi"}]}], 40, tokenizer=Templated(),
+                            chat_template_kwargs={"enable_thinking": False})
+    row = quiet_prompts.columns()
+    assert bytes(row["prompt"][0, : row["prompt_length"][0]].tolist()).decode() == "<user>Hi\n<assistant><think></think>"
+
+
 def test_sft_loss_counts_only_assistant_targets(tokenizer):
     data = ChatMessages([SIMPLE, TOOL_CHAT], tokenizer, seq_len=420)
     batch = dict(data.columns())

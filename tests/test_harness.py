@@ -179,6 +179,41 @@ def test_bad_input_fails_early_with_what_to_do(lm):
         lm.loglikelihood([SimpleNamespace(args=("only context",))])
 
 
+def test_chat_prompts_are_hflms_with_the_templates_own_controls(lm):
+    """apply_chat_template renders what HFLM's renders over a template that reads Qwen3's
+    enable_thinking: a generation prompt, a continued last message, and the control passed through."""
+    tokenizer = HFTokenizer(FIXTURE / "tokenizer-think")
+    default = DewLM(lm.task, batch_size=EXPECTED["batch_size"], tokenizer=tokenizer)
+    no_thinking = DewLM(lm.task, batch_size=EXPECTED["batch_size"], tokenizer=tokenizer, enable_thinking=False)
+    for record in EXPECTED["chat"]["prompts"]:
+        assert default.apply_chat_template(record["history"], record["add_generation_prompt"]) == record["default"]
+        assert (no_thinking.apply_chat_template(record["history"], record["add_generation_prompt"])
+                == record["enable_thinking_false"])
+    assert no_thinking.chat_template(True) == tokenizer.chat_template and no_thinking.chat_template(False) is None
+    assert default.tokenizer_name == str(tokenizer.directory).replace("/", "__")
+
+    with pytest.raises(ValueError, match="reads no reasoning_effort; the controls it reads are: enable_thinking"):
+        DewLM(lm.task, tokenizer=tokenizer, chat_template_args={"reasoning_effort": "low"})
+    with pytest.raises(ValueError, match="needs think_end_token="):
+        DewLM(lm.task, tokenizer=tokenizer, enable_thinking=True)
+    with pytest.raises(ValueError, match="this tokenizer has none"):
+        DewLM(lm.task, tokenizer=HFTokenizer(FIXTURE / "tokenizer-bos"), enable_thinking=False)
+
+
+def test_a_reasoning_section_is_cut_from_generations_at_its_last_end(lm):
+    """With think_end_token, a generation keeps what follows the reasoning's last end (text or id)."""
+    tokenizer = HFTokenizer(FIXTURE / "tokenizer-think")
+    by_text = DewLM(lm.task, tokenizer=tokenizer, think_end_token="</think>")
+    assert by_text._answer(tokenizer.encode("let me see</think> a</think>  the answer")) == "the answer"
+    assert by_text._answer(tokenizer.encode("no reasoning here")) == "no reasoning here"
+    im_end = tokenizer.encode("<|im_end|>")
+    assert len(im_end) == 1
+    by_id = DewLM(lm.task, tokenizer=tokenizer, think_end_token=str(im_end[0]))  # lm-eval's args are strings
+    tokens = tokenizer.encode("thinking") + im_end + tokenizer.encode("  done")
+    assert by_id.think_end_token == im_end[0] and by_id._answer(tokens) == "done"
+    assert DewLM(lm.task, tokenizer=tokenizer)._answer(tokens).endswith("  done")  # no cut without one
+
+
 def test_the_module_imports_without_lm_eval():
     if importlib.util.find_spec("lm_eval") is None:
         assert DewLM.__bases__ == (object,)
@@ -217,6 +252,32 @@ def test_simple_evaluate_over_dewlm_gives_hflms_task_scores(monkeypatch):
             assert dew_scores[task].keys() == reference[task].keys()
             for metric, value in reference[task].items():
                 assert dew_scores[task][metric] == pytest.approx(value, rel=1e-4), (task, metric)
+
+
+@pytest.mark.reference
+def test_simple_evaluate_with_the_chat_template_gives_hflms_score(monkeypatch):
+    """lm-eval's evaluator applying the chat template (enable_thinking=False): DewLM's multiple-choice
+    scores are HFLM's, live and as recorded."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    tasks = (FIXTURE / "tasks").resolve()
+    model, tokenizer = (FIXTURE / "model").resolve(), (FIXTURE / "tokenizer-think").resolve()
+    monkeypatch.chdir(tasks)
+
+    def scores(lm):
+        results = lm_eval.simple_evaluate(model=lm, tasks=["dew_tiny_mc"], task_manager=TaskManager(include_path=str(tasks)),
+                                          apply_chat_template=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+        return {k: v for k, v in results["results"]["dew_tiny_mc"].items() if k in EXPECTED["chat"]["scores"]["dew_tiny_mc"]}
+
+    dew = scores(DewLM(model, batch_size=EXPECTED["batch_size"], tokenizer=HFTokenizer(tokenizer), enable_thinking=False))
+    hf = scores(HFLM(pretrained=str(model), tokenizer=str(tokenizer), device="cpu", dtype="float32",
+                     batch_size=EXPECTED["batch_size"], enable_thinking=False))
+    for reference in (hf, EXPECTED["chat"]["scores"]["dew_tiny_mc"]):
+        assert dew.keys() == reference.keys()
+        for metric, value in reference.items():
+            assert dew[metric] == pytest.approx(value, rel=1e-4), metric
 
 
 def test_a_saved_run_scores_as_its_own_task(tmp_path):

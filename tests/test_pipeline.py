@@ -327,3 +327,26 @@ def test_one_row_decodes_through_the_decode_layout_and_draws_what_generate_draws
     assert isinstance(task.weights.get(1)[0], DecodeTransformer) and task.weights.get(2)[0] is model
     same(task([[1, 2, 3]], 6, seed=0).host().tokens, generate(model, variables, [[1, 2, 3]], 6, key=KEY,
                                                        sampling=Sampling(temperature=0.0)).tokens)
+
+
+def test_processor_chat_renders_the_checkpoints_template_with_its_controls():
+    """task.processor.chat(messages, **controls) gives the rows transformers' apply_chat_template
+    renders (recorded by tools/harness_fixtures.py through lm-eval's HFLM), which the task takes as they are."""
+    from dew.data import HFTokenizer
+
+    fixture = "tests/fixtures/harness"
+    recorded = json.loads(open(f"{fixture}/expected.json").read())["chat"]["prompts"][0]
+    task = dew.pipeline(f"{fixture}/model")
+    processor = RunProcessor(HFTokenizer(f"{fixture}/tokenizer-think"))
+    (quiet,) = processor.chat(recorded["history"], enable_thinking=False)
+    (default,) = processor.chat(recorded["history"])
+    assert quiet.tolist() == processor.tokenizer.encode(recorded["enable_thinking_false"])
+    assert default.tolist() == processor.tokenizer.encode(recorded["default"]) and len(default) < len(quiet)
+    both = processor.chat([recorded["history"], recorded["history"][1:]], enable_thinking=False)
+    drawn = task(both, 3, key=0).host()
+    assert drawn.tokens.shape == (2, 3)
+    assert np.array_equal(drawn.tokens, task(both, 3, seed=0).host().tokens)  # an int key seeds as seed= does
+    with pytest.raises(ValueError, match="reads no reasoning_effort; the controls it reads are: enable_thinking"):
+        processor.chat(recorded["history"], reasoning_effort="low")
+    with pytest.raises(ValueError, match="carries no chat template"):
+        RunProcessor(ByteTokenizer()).chat(recorded["history"])

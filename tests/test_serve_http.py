@@ -27,7 +27,7 @@ class Letters:
     """A tokenizer of lowercase letters (ids 1-26) and space (27); id 0 is the end token."""
 
     chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                     "{% if add_generation_prompt %}<assistant>{% endif %}")
+                     "{% if add_generation_prompt %}<assistant>{% if terse %}brief {% endif %}{% endif %}")
 
     def encode(self, text):
         return [27 if c == " " else ord(c) - 96 for c in text if c == " " or c.isalpha()]
@@ -211,6 +211,16 @@ def test_chat_renders_the_template_and_applies_request_sampling_over_the_default
     assert Letters().decode(request["prompt"]) == "userhiassistant"  # "<user>hi<assistant>", letters only
     assert request["sampling"] == Sampling(temperature=0.5, top_p=0.9, eos_token_ids=(EOS,))
     assert request["budget"] == 30
+
+    # The template's own controls pass through (vLLM's chat_template_kwargs); one it does not read is a 400.
+    post(served, "/v1/chat/completions", {"model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 4, "chat_template_kwargs": {"terse": True}})
+    assert Letters().decode(served.engine.requests[-1]["prompt"]) == "userhiassistantbrief "
+    refused = post(served, "/v1/chat/completions", {"model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+                                                    "chat_template_kwargs": {"enable_thinking": False}})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "chat_template_kwargs"
+    assert "reads no enable_thinking; the controls it reads are: terse" in error["message"]
 
 
 @pytest.mark.parametrize("body, status, param", [

@@ -6,12 +6,16 @@ Writes tests/fixtures/harness/:
                       save_pretrained, beside the tiny-tools tokenizer (no BOS; EOS <|endoftext|>)
     tokenizer-bos/    the same tokenizer with a post-processor that puts a BOS (<|im_start|>) first,
                       so HFLM's add-special-tokens and prefix-token paths are recorded too
+    tokenizer-think/  the same tokenizer with a chat template that reads Qwen3's enable_thinking
+                      control, for lm-eval's apply_chat_template path
     tasks/            two local lm-eval tasks: dew_tiny_mc (multiple choice over mc.jsonl) and
                       dew_tiny_perplexity (rolling loglikelihood over text.jsonl); their data_files
                       are relative, so lm-eval runs with tasks/ as the working directory
     expected.json     per tokenizer: loglikelihood requests with HFLM's (logprob, is_greedy),
                       loglikelihood_rolling requests with HFLM's sums, generate_until requests with
-                      HFLM's strings; and the two tasks' scores from simple_evaluate
+                      HFLM's strings; the two tasks' scores from simple_evaluate; and under
+                      "chat", the prompts HFLM's apply_chat_template renders with and without
+                      enable_thinking=False and the multiple-choice score with the template applied
 
 Run with the reference environment (torch CPU, transformers, lm-eval 0.4.13):
 
@@ -134,6 +138,45 @@ def build_bos_tokenizer(directory: pathlib.Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
+# Qwen3's generation prompt: enable_thinking=False writes an empty reasoning block the model skips.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+CHATS = [
+    ([{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What do bees make?"}], True),
+    ([{"role": "user", "content": "What do bees make?"}, {"role": "assistant", "content": "They make"}], False),
+]
+
+
+def build_thinking_tokenizer(directory: pathlib.Path) -> None:
+    directory.mkdir(parents=True)
+    shutil.copyfile(TOKENIZER / "tokenizer.json", directory / "tokenizer.json")
+    config = json.loads((TOKENIZER / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def record_chat(model: pathlib.Path, tokenizer: pathlib.Path) -> dict:
+    """What HFLM's apply_chat_template renders, and the multiple-choice score through the template."""
+    default = HFLM(pretrained=str(model), tokenizer=str(tokenizer), device="cpu", dtype="float32", batch_size=BATCH_SIZE)
+    no_thinking = HFLM(pretrained=str(model), tokenizer=str(tokenizer), device="cpu", dtype="float32",
+                       batch_size=BATCH_SIZE, enable_thinking=False)
+    prompts = [{"history": history, "add_generation_prompt": opened,
+                "default": default.apply_chat_template(history, opened),
+                "enable_thinking_false": no_thinking.apply_chat_template(history, opened)} for history, opened in CHATS]
+    assert prompts[0]["default"] != prompts[0]["enable_thinking_false"]
+    return {"prompts": prompts, "scores": task_scores(no_thinking, ["dew_tiny_mc"], apply_chat_template=True)}
+
+
 def write_tasks(directory: pathlib.Path) -> None:
     directory.mkdir(parents=True)
     with open(directory / "mc.jsonl", "w") as f:
@@ -203,13 +246,14 @@ def record(lm: HFLM, with_generation: bool) -> dict:
     return out
 
 
-def task_scores(lm: HFLM) -> dict:
+def task_scores(lm: HFLM, tasks=("dew_tiny_mc", "dew_tiny_perplexity"), **options) -> dict:
     here = os.getcwd()
     os.chdir(OUT / "tasks")  # the task YAMLs name their data files relative to this directory
     try:
-        results = simple_evaluate(model=lm, tasks=["dew_tiny_mc", "dew_tiny_perplexity"],
+        results = simple_evaluate(model=lm, tasks=list(tasks),
                                   task_manager=TaskManager(include_path=str(OUT / "tasks")),
-                                  batch_size=BATCH_SIZE, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+                                  batch_size=BATCH_SIZE, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                                  **options)
     finally:
         os.chdir(here)
     keep = ("acc,none", "acc_norm,none", "word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none")
@@ -221,6 +265,7 @@ def main() -> None:
     OUT.mkdir(parents=True)
     build_model(OUT / "model")
     build_bos_tokenizer(OUT / "tokenizer-bos")
+    build_thinking_tokenizer(OUT / "tokenizer-think")
     write_tasks(OUT / "tasks")
 
     plain = HFLM(pretrained=str(OUT / "model"), device="cpu", dtype="float32", batch_size=BATCH_SIZE)
@@ -233,6 +278,7 @@ def main() -> None:
         "plain": record(plain, with_generation=True),
         "bos": record(with_bos, with_generation=False),
         "scores": task_scores(plain),
+        "chat": record_chat(OUT / "model", OUT / "tokenizer-think"),
     }
     (OUT / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     greedy = [r["is_greedy"] for r in expected["plain"]["loglikelihood"]]

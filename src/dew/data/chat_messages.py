@@ -136,12 +136,27 @@ def _environment():
     return env
 
 
+# Names every template gets from the renderer; a template's other free names are its controls.
+_RENDERER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+                             "pad_token", "unk_token", "raise_exception", "strftime_now"})
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks the end of the message to continue, as transformers does
+
+
 class ChatTemplate:
-    """A compiled chat template with the special tokens transformers passes to it."""
+    """A compiled chat template with the special tokens transformers passes to it.
+
+    `controls` are the free names the template reads besides the conversation (Qwen3's
+    `enable_thinking`, GPT-OSS's `reasoning_effort`, ...); `render` passes them through, as
+    transformers' `apply_chat_template(**kwargs)` does, and refuses a name the template never reads.
+    """
 
     def __init__(self, source: str, tokenizer: Any = None):
+        from jinja2 import meta
+
         self.source = source
-        self.template = _environment().from_string(source)
+        environment = _environment()
+        self.template = environment.from_string(source)
+        self.controls = frozenset(meta.find_undeclared_variables(environment.parse(source)) - _RENDERER_NAMES)
         self.specials = {}
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
             value = getattr(tokenizer, name, None)
@@ -150,16 +165,46 @@ class ChatTemplate:
                 value = value.get("content") if isinstance(value, dict) else value
             self.specials[name] = value if isinstance(value, str) else ""
 
-    def render(self, messages: Sequence[Mapping], tools=None, add_generation_prompt=False) -> str:
+    def check_controls(self, controls: Mapping[str, Any] | None) -> dict[str, Any]:
+        """`controls` as a dict, after checking that the template reads each of them."""
+        controls = dict(controls or {})
+        unknown = sorted(set(controls) - self.controls)
+        if unknown:
+            offered = ", ".join(sorted(self.controls)) or "none"
+            raise ValueError(
+                f"The chat template reads no {', '.join(unknown)}; the controls it reads are: {offered}. "
+                "Drop the others (each template defines its own)."
+            )
+        return controls
+
+    def render(self, messages: Sequence[Mapping], tools=None, add_generation_prompt=False, *,
+               continue_final_message: bool = False, controls: Mapping[str, Any] | None = None) -> str:
+        """The conversation as text. `continue_final_message` leaves the last message open (its
+        end-of-turn text cut), so a model continues it; `controls` are the template's own settings."""
+        controls = self.check_controls(controls)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("add_generation_prompt and continue_final_message exclude each other: the first "
+                                 "opens a new assistant turn, the second continues the last message.")
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message needs a last message with text content to continue.")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         try:
-            return self.template.render(
+            text = self.template.render(
                 messages=list(messages), tools=tools or None,
-                add_generation_prompt=add_generation_prompt, **self.specials,
+                add_generation_prompt=add_generation_prompt, **self.specials, **controls,
             )
         except TemplateError:
             raise
         except Exception as error:  # a Jinja error: say which conversation it was
             raise TemplateError(f"the chat template failed: {type(error).__name__}: {error}") from None
+        if continue_final_message:
+            tag = _CONTINUE_TAG.strip()
+            if tag not in text:
+                raise TemplateError("the chat template dropped the final message, so it cannot be continued.")
+            at = text.rindex(tag)
+            text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        return text
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -176,22 +221,23 @@ def _common_prefix(a: str, b: str) -> int:
     return low
 
 
-def role_spans(template: ChatTemplate, messages: Sequence[Mapping], tools=None) -> tuple[str, np.ndarray]:
+def role_spans(template: ChatTemplate, messages: Sequence[Mapping], tools=None,
+               controls: Mapping[str, Any] | None = None) -> tuple[str, np.ndarray]:
     """The rendered conversation and the `Role` of each of its characters."""
-    text = template.render(messages, tools)
+    text = template.render(messages, tools, controls=controls)
     roles = np.zeros(len(text), np.int8)
-    start = _common_prefix(template.render([], tools), text) if messages else len(text)
+    start = _common_prefix(template.render([], tools, controls=controls), text) if messages else len(text)
     roles[:start] = Role.SYSTEM if tools else Role.NONE
     for k, message in enumerate(messages):
         role = _ROLES[message["role"]]
         if k + 1 < len(messages):
-            end = _common_prefix(template.render(messages[: k + 1], tools), text)
+            end = _common_prefix(template.render(messages[: k + 1], tools, controls=controls), text)
         else:
             end = len(text)
         end = max(end, start)
         body = start
         if role == Role.ASSISTANT:
-            header = template.render(messages[:k], tools, add_generation_prompt=True)
+            header = template.render(messages[:k], tools, add_generation_prompt=True, controls=controls)
             body = min(max(_common_prefix(header, text), start), end)
         roles[start:body] = Role.NONE
         roles[body:end] = role
@@ -264,7 +310,9 @@ class ChatMessages:
     Each row holds `seq_len + 1` ids (the LMObjective layout): shorter conversations are padded
     with the tokenizer's pad id (role NONE, and 0 in the "mask" column), longer ones truncated.
     `tokenizer` is a tokenizer object, a tokenizer directory or a Hub repository id (read through
-    the Hugging Face cache). `chat_template` overrides the tokenizer's own template.
+    the Hugging Face cache). `chat_template` overrides the tokenizer's own template, and
+    `chat_template_kwargs` sets the controls the template defines (e.g. `{"enable_thinking": False}`
+    for Qwen3's), as transformers' `apply_chat_template(**kwargs)` passes them.
     """
 
     def __init__(
@@ -276,6 +324,7 @@ class ChatMessages:
         loading: Loading = Loading(),
         seed: int = 0,
         chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         seq_len = count(seq_len, "ChatMessages seq_len")
         tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
@@ -291,6 +340,7 @@ class ChatMessages:
         self.loading = loading
         self.seed = seed
         self.template = ChatTemplate(template, tokenizer)
+        self.controls = self.template.check_controls(chat_template_kwargs)
         pad = getattr(tokenizer, "pad_id", None)
         pad = getattr(tokenizer, "eos_id", None) if pad is None else pad
         self.pad_id = 0 if pad is None else int(pad)
@@ -300,7 +350,7 @@ class ChatMessages:
         """One conversation's token ids and their roles, before padding."""
         messages, tools = _check_messages(record, index)
         try:
-            text, char_roles = role_spans(self.template, messages, tools)
+            text, char_roles = role_spans(self.template, messages, tools, self.controls)
         except TemplateError as error:
             raise ValueError(f"record {index}: {error}") from None
         return tokens_with_roles(self.tokenizer, text, char_roles)

@@ -1,7 +1,8 @@
 """Prompts for online reinforcement learning, with the metadata a reward function reads.
 
 A record holds "prompt" (token ids; text, with a tokenizer; or chat messages, rendered with the
-tokenizer's chat template and its generation prompt) and the strings a reward reads:
+tokenizer's chat template and its generation prompt, with `chat_template_kwargs` as the template's
+controls) and the strings a reward reads:
 "data_source", "ground_truth" (or verl's `reward_model.ground_truth`) and "extra_info" (a dict is
 stored as JSON). A batch holds:
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,7 @@ class Prompts:
         loading: Loading = Loading(),
         seed: int = 0,
         pad_id: int | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         if isinstance(records, (str, os.PathLike)) and path is None:
             records, path = None, records
@@ -80,6 +83,7 @@ class Prompts:
         if pad_id is None:
             pad_id = getattr(tokenizer, "pad_id", None)
         self.pad_id = 0 if pad_id is None else int(pad_id)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._columns: dict[str, np.ndarray] | None = None
 
     def _prompt_ids(self, prompt: Any, index: int) -> list[int]:
@@ -91,7 +95,8 @@ class Prompts:
             template = getattr(self.tokenizer, "chat_template", None)
             if not template:
                 raise ValueError(f"prompt record {index} holds chat messages, but the tokenizer has no chat template.")
-            text = ChatTemplate(template, self.tokenizer).render(prompt, add_generation_prompt=True)
+            text = ChatTemplate(template, self.tokenizer).render(prompt, add_generation_prompt=True,
+                                                                 controls=self.chat_template_kwargs)
             return list(self.tokenizer.encode(text))
         ids = np.asarray(prompt)
         if ids.ndim != 1 or not ids.size or not np.issubdtype(ids.dtype, np.integer):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dew.checks import count
+from dew.data.chat_messages import ChatTemplate, TemplateError
 
 try:  # lm-eval's base class when it is installed, so lm_eval.simple_evaluate accepts a DewLM
     from lm_eval.api.model import LM as _Base
@@ -73,6 +74,11 @@ class DewLM(_Base):
       tokenizer: a tokenizer to use instead of the task's.
       prefix_token_id: the token an empty context is conditioned on (default: BOS, else EOS).
       seed: the key for requests that ask to sample (greedy requests use none).
+      enable_thinking, chat_template_args: the chat template's controls when lm-eval applies it
+        (`simple_evaluate(..., apply_chat_template=True)`), as HFLM takes them: enable_thinking
+        joins chat_template_args, and each must be a name the template reads.
+      think_end_token: the text or token id that ends a reasoning section; generations keep what
+        follows its last occurrence (needed with enable_thinking=True, as in HFLM).
     """
 
     def __init__(
@@ -85,6 +91,9 @@ class DewLM(_Base):
         tokenizer: Any = None,
         prefix_token_id: int | None = None,
         seed: int = 0,
+        enable_thinking: bool | None = None,
+        chat_template_args: dict[str, Any] | None = None,
+        think_end_token: str | int | None = None,
         **pipeline_options: Any,
     ):
         super().__init__()
@@ -113,6 +122,29 @@ class DewLM(_Base):
         if prefix_token_id is None:
             raise ValueError("The tokenizer names neither a BOS nor an EOS token; pass prefix_token_id=.")
         self.prefix_token_id = int(prefix_token_id)
+        self.chat_template_args = dict(chat_template_args or {})
+        if enable_thinking is not None:
+            self.chat_template_args["enable_thinking"] = enable_thinking
+        if enable_thinking and think_end_token is None:
+            raise ValueError(
+                "enable_thinking=True needs think_end_token= (the text or id that ends the reasoning, e.g. "
+                "'</think>'), so generations are scored on the answer after it."
+            )
+        if isinstance(think_end_token, str) and think_end_token.isdigit():  # lm-eval's model_args are strings
+            think_end_token = int(think_end_token)
+        self.think_end_token = think_end_token
+        self._template = None
+        if getattr(self.tokenizer, "chat_template", None):
+            self._template = ChatTemplate(self.tokenizer.chat_template, self.tokenizer)
+            self._template.check_controls(self.chat_template_args)
+        elif self.chat_template_args:
+            raise ValueError(
+                f"chat_template_args {sorted(self.chat_template_args)} set controls of a chat template, and this "
+                "tokenizer has none; drop them, or pass a tokenizer whose tokenizer_config.json carries one."
+            )
+        directory = getattr(self.tokenizer, "directory", None)  # an HFTokenizer's: the name HFLM keys by
+        self._tokenizer_name = str(directory if directory is not None else source if isinstance(
+            source, (str, os.PathLike)) else type(self.tokenizer).__name__)
         self._special_tokens = "add_special_tokens" in inspect.signature(self.tokenizer.encode).parameters
         self._score = _score_function(model)
         self._row_sharding = self.task.row_sharding if jax_process_count() == 1 else None
@@ -146,6 +178,34 @@ class DewLM(_Base):
         from lm_eval.utils import simple_parse_args_string
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    # --- chat templates, as HFLM applies them -------------------------------------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer's directory (else the source), which lm-eval keys its request cache by."""
+        return self._tokenizer_name.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template lm-eval records when it applies one: the tokenizer's own (None when off)."""
+        if not chat_template:
+            return None
+        if self._template is None:
+            raise ValueError("apply_chat_template was asked for, and this tokenizer carries no chat template.")
+        return self._template.source
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The few-shot conversation as one prompt string, through the checkpoint's template with
+        `chat_template_args`; without a generation prompt the last message is left open, so the
+        model continues it. A template that refuses system messages gets the history without them."""
+        if self._template is None:
+            raise ValueError("apply_chat_template was asked for, and this tokenizer carries no chat template.")
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt,
+                       controls=self.chat_template_args)
+        try:
+            return self._template.render(chat_history, **options)
+        except TemplateError:
+            return self._template.render([m for m in chat_history if m.get("role") != "system"], **options)
 
     # --- tokenization, as HFLM does it ----------------------------------------------------------
 
@@ -244,8 +304,20 @@ class DewLM(_Base):
                 for i, row, length in zip(chunk, drawn.tokens, drawn.lengths):
                     until = settings[i][0]
                     stops = list(until) + ([eos_text] if eos_text is not None and eos_text not in until else [])
-                    results[i] = cut_at(self.tok_decode([int(t) for t in row[: int(length)]]), stops)
+                    results[i] = cut_at(self._answer([int(t) for t in row[: int(length)]]), stops)
         return results
+
+    def _answer(self, tokens: list[int]) -> str:
+        """A continuation's text after its reasoning: past the last `think_end_token`, as HFLM cuts it."""
+        if isinstance(self.think_end_token, int):
+            ends = [i for i, token in enumerate(tokens) if token == self.think_end_token]
+            if ends:
+                return self.tok_decode(tokens[ends[-1] + 1:]).lstrip()
+            return self.tok_decode(tokens).lstrip()
+        text = self.tok_decode(tokens)
+        if self.think_end_token:
+            text = text.split(self.think_end_token)[-1].lstrip()
+        return text
 
     def _generation_settings(self, options: Any) -> tuple[tuple[str, ...], int, dict[str, Any]]:
         """(until strings, token budget, Sampling options) from a request's generation arguments."""

@@ -1,6 +1,8 @@
 """RunProcessor: text into the token rows a model reads, and generated rows back into text.
 
-A task with a processor accepts strings; without one it takes token rows. Prompts are tokenized
+A task with a processor accepts strings; without one it takes token rows. `chat` renders
+conversations with the tokenizer's own chat template (and the controls that template defines) into
+rows the task takes as they are. Prompts are tokenized
 without padding: `generate` pads the numeric rows itself, so a tokenizer without a pad token
 works unchanged.
 """
@@ -8,7 +10,7 @@ works unchanged.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,28 @@ class RunProcessor:
         if isinstance(prompts, str):
             prompts = [prompts]
         return [np.asarray(self.tokenizer.encode(text), np.int32) for text in prompts]
+
+    def chat(self, conversations: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]], *,
+             tools: Any = None, **controls: Any) -> list[np.ndarray]:
+        """One prompt row per conversation (a single conversation is one), rendered with the
+        tokenizer's chat template and its generation prompt; `controls` are the template's own
+        settings (e.g. `enable_thinking=False` for Qwen3), refused when the template reads no such name."""
+        from dew.data.chat_messages import ChatTemplate
+
+        source = getattr(self.tokenizer, "chat_template", None)
+        if not source:
+            raise ValueError(
+                f"{type(self.tokenizer).__name__} carries no chat template; pass plain prompts, or load the "
+                "tokenizer from a directory whose tokenizer_config.json (or chat_template.jinja) has one."
+            )
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]
+        if not conversations or not all(conversation for conversation in conversations):
+            raise ValueError("chat takes one conversation (a list of messages) or a list of them, none empty.")
+        template = ChatTemplate(source, self.tokenizer)
+        return [np.asarray(self.tokenizer.encode(template.render(conversation, tools, add_generation_prompt=True,
+                                                                 controls=controls)), np.int32)
+                for conversation in conversations]
 
     def decode(self, tokens: np.ndarray, lengths: np.ndarray, terminated: np.ndarray) -> list[str]:
         """Each row's text: its tokens up to its length, a final EOS token left out."""

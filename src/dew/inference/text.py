@@ -17,11 +17,14 @@ from dew.sampling.text import Generation, Sampling, generate, padded_width
 
 
 def resolve_key(seed: Any, key: Any) -> jax.Array:
-    """The key a task call draws with: exactly one of `seed` (an int) or `key` (a JAX key)."""
+    """The key a task call draws with: exactly one of `seed` (an int) or `key` (a JAX key, or an
+    int that seeds one, so `key=0` draws as `seed=0` does)."""
     if (key is None) == (seed is None):
         given = "both" if key is not None else "neither"
         raise ValueError(f"Pass exactly one of seed= (an int) or key= (a jax.random key); got {given}.")
     if key is not None:
+        if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            return jax.random.key(int(key))
         return key
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int; got {seed!r} ({type(seed).__name__}).")

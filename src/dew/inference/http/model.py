@@ -114,9 +114,10 @@ class ServedModel:
                            param)
         return list(ids)
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+                    controls: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt ids of a conversation rendered by the checkpoint's chat template, ending with the
-        header of the assistant's reply."""
+        header of the assistant's reply; `controls` are the template's own settings."""
         from dew.data.chat_messages import ChatTemplate, TemplateError
 
         tokenizer = self._needs_tokenizer("chat messages")
@@ -126,8 +127,13 @@ class ServedModel:
                                 "prompt to the completion endpoint instead.", "messages")
         if not messages:
             raise APIError(400, "messages is empty; send at least one message.", "messages")
+        template = ChatTemplate(source, tokenizer)
         try:
-            text = ChatTemplate(source, tokenizer).render(messages, tools, add_generation_prompt=True)
+            template.check_controls(controls)
+        except ValueError as error:
+            raise APIError(400, str(error), "chat_template_kwargs") from None
+        try:
+            text = template.render(messages, tools, add_generation_prompt=True, controls=controls)
         except TemplateError as error:
             raise APIError(400, f"The chat template refused these messages: {error}", "messages") from None
         return self.encode(text, "messages")

@@ -86,6 +86,7 @@ class ChatRequest(Sampled):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
     response_format: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own controls, as vLLM takes them
 
 
 def _check_unsupported(request: Sampled) -> None:
@@ -195,7 +196,7 @@ def router(model: ServedModel, admission: Any) -> Any:
                            "top_logprobs")
         grammar = _response_grammar(model, request.response_format)
         messages = [_message(m) for m in request.messages]
-        prompts = [model.chat_prompt(messages, request.tools)]
+        prompts = [model.chat_prompt(messages, request.tools, request.chat_template_kwargs)]
         max_tokens = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         runs = plan(request, prompts, max_tokens, param)
