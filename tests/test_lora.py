@@ -1,8 +1,10 @@
 """LoRA adapters on published checkpoints: training the factors alone, merging, and PEFT's format.
 
 Parity with PEFT: tests/fixtures/peft/llama-lora is an adapter trained by peft on the tiny Llama
-fixture (tools/peft_adapter_fixture.py), with the logits peft computed; Dew loads it and matches
-them. The `reference` test runs peft live on an adapter Dew saved.
+fixture, and tests/fixtures/peft/qwen3-moe-lora one on the tiny Qwen3-MoE fixture that also covers
+the experts' stacked parameters (target_parameters), each with the logits peft computed
+(tools/peft_adapter_fixture.py); Dew loads them and matches them. The `reference` tests run peft
+live on adapters Dew saved.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA = FIXTURES / "hf" / "llama"
 QWEN3 = FIXTURES / "hf" / "qwen3"
 PEFT_ADAPTER = FIXTURES / "peft" / "llama-lora"
+QWEN3_MOE = FIXTURES / "hf" / "qwen3_moe"
+MOE_ADAPTER = FIXTURES / "peft" / "qwen3-moe-lora"
+EXPERT_PARAMETERS = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -197,6 +202,74 @@ def test_a_peft_trained_adapter_loads_with_peft_logits_and_the_controls_fail():
     assert np.abs(adapted.model.apply(swapped_variables, ids) - reference["logits"]).max() > 1e-2
 
 
+def test_a_peft_adapter_on_stacked_experts_loads_with_peft_logits_and_the_controls_fail(monkeypatch):
+    """q_proj plus the experts' gate_up_proj and down_proj (PEFT's target_parameters) on a
+    Qwen3-MoE whose middle layer is dense: Dew reads PEFT's expert-major A and expert-minor B."""
+    from dew.interop import adapted as adapted_module
+
+    reference = np.load(MOE_ADAPTER / "reference.npz")
+    ids = reference["input_ids"]
+    lora = LoRA.load(MOE_ADAPTER)
+    assert (lora.rank, lora.scaling, lora.modules, lora.parameters) == (2, 3.0, ("q_proj",), EXPERT_PARAMETERS)
+    adapted = Pretrained.load(QWEN3_MOE).adapt(lora)
+    assert [p.name for p in adapted.parameters] == [f"model.layers.{i}.{n}" for i in (0, 2) for n in reversed(EXPERT_PARAMETERS)]
+    assert flat(adapted.variables["params"])["layers_0/mlp/experts/gate_up_proj/lora_A"].shape == (8, 32, 2)
+    np.testing.assert_allclose(adapted.model.apply(adapted.variables, ids), reference["logits"], atol=1e-4)
+    np.testing.assert_allclose(adapted.merge().model.apply(adapted.merge().variables, ids), reference["logits"], atol=1e-4)
+    assert np.abs(reference["logits"] - reference["base_logits"]).max() > 1.0
+
+    # negative controls: A read expert-minor (as B is), and gate and up swapped within gate_up_proj
+    right = adapted_module._experts_from_peft
+
+    def expert_minor_a(a, b, experts, rank):
+        _, good_b = right(a, b, experts, rank)
+        return a.reshape(rank, experts, a.shape[-1]).transpose(1, 2, 0), good_b
+
+    with monkeypatch.context() as patch:
+        patch.setattr(adapted_module, "_experts_from_peft", expert_minor_a)
+        wrong = Pretrained.load(QWEN3_MOE).adapt(LoRA.load(MOE_ADAPTER))
+    assert np.abs(wrong.model.apply(wrong.variables, ids) - reference["logits"]).max() > 1e-2
+    swapped = adapted.model.__class__(adapted.model.model, adapted.model.lora, adapted.model.targets,
+                                      experts=[(path, kernels[::-1]) for path, kernels in adapted.model.experts])
+    assert np.abs(swapped.apply(adapted.variables, ids) - reference["logits"]).max() > 1e-2
+
+
+def test_expert_adapters_save_as_peft_does_and_train_alone(tmp_path):
+    base = Pretrained.load(QWEN3_MOE)
+    adapted = base.adapt(LoRA(rank=2, alpha=6, modules=("q_proj",), parameters=("gate_up_proj", "down_proj")), key=0)
+    variables = perturbed(adapted)
+    adapted.save_adapter(tmp_path / "adapter", variables)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == list(EXPERT_PARAMETERS) and config["target_modules"] == ["q_proj"]
+    ours = SafetensorsFile(tmp_path / "adapter" / "adapter_model.safetensors")
+    peft_made = SafetensorsFile(MOE_ADAPTER / "adapter_model.safetensors")
+    assert {name: ours.shape(name) for name in ours} == {name: peft_made.shape(name) for name in peft_made}
+    loaded = base.adapt(LoRA.load(tmp_path / "adapter", check_base=False))
+    ids = tokens()
+    np.testing.assert_array_equal(loaded.model.apply(loaded.variables, ids), adapted.model.apply(variables, ids))
+
+    # training moves the factors alone; the expert kernels stay bit-identical
+    objective = LMObjective(adapted, seq_len=8)
+    state = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0)).fit(lm_data(), steps=2, log_every=2)
+    trained = flat(state.variables["params"])
+    assert all(not np.array_equal(trained[k], v) for k, v in flat(adapted.variables["params"]).items() if k.endswith("lora_B"))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.variables["base"]),
+                                                     jax.tree.leaves(adapted.variables["base"])))
+    with pytest.raises(ValueError, match="dropout=0.1 cannot act on expert parameters"):
+        base.adapt(LoRA(rank=2, dropout=0.1, parameters=("gate_up_proj",), modules=()), key=0)
+
+
+def test_expert_parameters_that_match_nothing_or_overflow_raise():
+    with pytest.raises(ValueError, match=r"'mlp.experts.gate_up_proj' adapts nothing: the llama family has no stacked expert parameters"):
+        Pretrained.load(LLAMA).adapt(LoRA(rank=2, parameters=("mlp.experts.gate_up_proj",)), key=0)
+    with pytest.raises(ValueError, match=r"'experts.w1' adapts nothing: it matches none of this model's"):
+        Pretrained.load(QWEN3_MOE).adapt(LoRA(rank=2, modules=(), parameters=("experts.w1",)), key=0)
+    with pytest.raises(ValueError, match=r"rank=20 is larger than the expert parameter model.layers.0.mlp.experts.down_proj"):
+        Pretrained.load(QWEN3_MOE).adapt(LoRA(rank=20, modules=(), parameters=("down_proj",)), key=0)
+    with pytest.raises(ValueError, match="adapts nothing: modules and parameters are both empty"):
+        LoRA(rank=2, modules=())
+
+
 def test_save_adapter_writes_peft_names_shapes_and_config_and_loads_back(tmp_path):
     adapted = Pretrained.load(QWEN3).adapt(LoRA(rank=4, alpha=16, modules=("q_proj", "v_proj")), key=0)
     variables = perturbed(adapted)
@@ -319,6 +392,25 @@ def test_an_adapter_saved_by_dew_gives_dews_logits_in_peft(tmp_path):
     assert np.abs(base_logits - expected).max() > 1e-2  # the adapter was applied, not ignored
 
 
+@pytest.mark.reference
+def test_an_expert_adapter_saved_by_dew_gives_dews_logits_in_peft(tmp_path):
+    import peft
+    import torch
+    import transformers
+
+    adapted = Pretrained.load(QWEN3_MOE).adapt(
+        LoRA(rank=2, alpha=4, modules=("q_proj", "o_proj"), parameters=EXPERT_PARAMETERS), key=0)
+    variables = perturbed(adapted)
+    adapted.save_adapter(tmp_path / "adapter", variables)
+    ids = tokens()
+    expected = np.asarray(adapted.model.apply(variables, ids))
+    model = transformers.AutoModelForCausalLM.from_pretrained(QWEN3_MOE, dtype=torch.float32, attn_implementation="eager")
+    with_adapter = peft.PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        logits = with_adapter(input_ids=torch.from_numpy(np.asarray(ids, np.int64))).logits.numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
+
+
 # --- post-training on an adapted bundle ----------------------------------------------------------
 
 
@@ -406,13 +498,17 @@ def test_grpo_samples_from_the_adapted_policy_and_scores_against_the_base():
 # --- adapted runs ------------------------------------------------------------------------------
 
 
-def test_an_adapted_run_records_its_base_and_exports_as_an_adapter_or_merged(tmp_path):
+@pytest.mark.parametrize("base, lora", [
+    (QWEN3, LoRA(rank=2, alpha=4, modules=("q_proj", "o_proj"))),
+    (QWEN3_MOE, LoRA(rank=2, alpha=4, modules=("o_proj",), parameters=EXPERT_PARAMETERS)),
+], ids=["projections", "experts"])
+def test_an_adapted_run_records_its_base_and_exports_as_an_adapter_or_merged(tmp_path, base, lora):
     import dew
     from dew.cli.main import main as dew_main
     from dew.config.run import ModelConfig, ObjectiveConfig, RunConfig
 
     run = tmp_path / "run"
-    adapted = Pretrained.load(QWEN3).adapt(LoRA(rank=2, alpha=4, modules=("q_proj", "o_proj")), key=0)
+    adapted = Pretrained.load(base).adapt(lora, key=0)
     objective = LMObjective(adapted, seq_len=8)
     checkpoints = Checkpoints(run)
     import grain.python as grain
@@ -424,18 +520,18 @@ def test_an_adapted_run_records_its_base_and_exports_as_an_adapter_or_merged(tmp
         data, steps=3, log_every=3, checkpoint_every=3)
     RunConfig(model=ModelConfig.from_model(adapted.model), objective=ObjectiveConfig.from_objective(objective)).save(run)
     record = json.loads((run / "run.json").read_text())
-    assert record["model"]["settings"]["base"] == str(QWEN3)  # referenced, not copied
+    assert record["model"]["settings"]["base"] == str(base)  # referenced, not copied
 
     ids = tokens()
     expected = np.asarray(adapted.model.apply(state.variables, ids))
     dew_main(["export", str(run), str(tmp_path / "adapter"), "--live"])
-    loaded = Pretrained.load(QWEN3).adapt(LoRA.load(tmp_path / "adapter"), key=0)
+    loaded = Pretrained.load(base).adapt(LoRA.load(tmp_path / "adapter"), key=0)
     np.testing.assert_allclose(loaded.model.apply(loaded.variables, ids), expected, atol=1e-6)
 
     dew_main(["export", str(run), str(tmp_path / "merged"), "--live", "--merged"])
     merged = Pretrained.load(tmp_path / "merged")
     np.testing.assert_allclose(merged.model.apply(merged.variables, ids), expected, atol=1e-5)
-    assert np.abs(expected - np.asarray(Pretrained.load(QWEN3).model.apply(Pretrained.load(QWEN3).variables, ids))).max() > 1e-3
+    assert np.abs(expected - np.asarray(Pretrained.load(base).model.apply(Pretrained.load(base).variables, ids))).max() > 1e-3
 
     task = dew.pipeline(run, ema=False)  # the base is loaded again from where run.json names it
     np.testing.assert_allclose(task.model.apply(task.variables, ids), expected, atol=1e-6)

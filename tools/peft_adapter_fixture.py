@@ -1,6 +1,12 @@
-"""Train a PEFT LoRA adapter on the tiny Llama fixture and record what it computes.
+"""Train PEFT LoRA adapters on the tiny decoder fixtures and record what they compute.
 
-Writes tests/fixtures/peft/llama-lora/, read by tests/test_lora.py:
+Writes, read by tests/test_lora.py:
+
+    tests/fixtures/peft/llama-lora/       every projection of tests/fixtures/hf/llama
+    tests/fixtures/peft/qwen3-moe-lora/   q_proj and the experts' stacked gate_up_proj / down_proj
+                                          (target_parameters) of tests/fixtures/hf/qwen3_moe
+
+each holding:
 
     adapter_config.json, adapter_model.safetensors   (PeftModel.save_pretrained)
     reference.npz   input_ids [2, 12], the adapted model's logits [2, 12, vocab] and the base's
@@ -28,21 +34,14 @@ import torch
 import transformers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BASE = "tests/fixtures/hf/llama"
-OUT = ROOT / "tests/fixtures/peft/llama-lora"
 SEED = 7
 STEPS = 20
 
 
-def main() -> None:
-    os.chdir(ROOT)  # so the adapter names its base by the relative path
+def record(base: str, out: pathlib.Path, config: peft.LoraConfig) -> None:
     torch.manual_seed(SEED)
-    model = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32,
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
                                                               attn_implementation="eager")
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    )
     adapted = peft.get_peft_model(model, config)
     rng = np.random.default_rng(SEED)
     vocab = model.config.vocab_size
@@ -62,14 +61,26 @@ def main() -> None:
         with adapted.disable_adapter():
             base_logits = adapted(input_ids=input_ids).logits.float().numpy()
 
-    shutil.rmtree(OUT, ignore_errors=True)
-    adapted.save_pretrained(OUT, safe_serialization=True)
-    (OUT / "README.md").unlink(missing_ok=True)  # PEFT's model card template, not needed
-    np.savez_compressed(OUT / "reference.npz", input_ids=input_ids.numpy().astype(np.int32),
+    shutil.rmtree(out, ignore_errors=True)
+    adapted.save_pretrained(out, safe_serialization=True)
+    (out / "README.md").unlink(missing_ok=True)  # PEFT's model card template, not needed
+    np.savez_compressed(out / "reference.npz", input_ids=input_ids.numpy().astype(np.int32),
                         logits=logits.astype(np.float32), base_logits=base_logits.astype(np.float32))
-    size = sum(path.stat().st_size for path in OUT.iterdir())
+    size = sum(path.stat().st_size for path in out.iterdir())
     print(f"final loss {loss.item():.4f}; adapted vs base logits differ by up to "
-          f"{np.abs(logits - base_logits).max():.3f}; {size / 1024:.0f} KiB in {OUT}")
+          f"{np.abs(logits - base_logits).max():.3f}; {size / 1024:.0f} KiB in {out}")
+
+
+def main() -> None:
+    os.chdir(ROOT)  # so the adapters name their bases by the relative path
+    record("tests/fixtures/hf/llama", ROOT / "tests/fixtures/peft/llama-lora", peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ))
+    record("tests/fixtures/hf/qwen3_moe", ROOT / "tests/fixtures/peft/qwen3-moe-lora", peft.LoraConfig(
+        r=2, lora_alpha=6, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    ))
 
 
 if __name__ == "__main__":

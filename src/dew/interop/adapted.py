@@ -7,6 +7,11 @@ the frozen weights}``, so an objective built from it trains the factors alone. `
 writes PEFT's layout (adapter_config.json, adapter_model.safetensors with
 ``base_model.model.<module>.lora_A.weight [rank, in]`` and ``lora_B.weight [out, rank]``), which
 ``peft.PeftModel.from_pretrained`` loads onto the transformers model of the same base.
+
+Expert parameters (PEFT's ``target_parameters``) are stored as PEFT's ``ParamWrapper`` stores
+them: ``lora_A.weight [rank * experts, in]`` (expert-major rows) and ``lora_B.weight [out, rank *
+experts]`` (expert-minor columns), under the experts module's name; when several parameters of one
+module are adapted, each earlier one sits one ``.base_layer`` deeper.
 """
 
 from __future__ import annotations
@@ -44,11 +49,15 @@ class Projection:
 
 
 def linear_modules(family: Any, model: Any, params: Mapping[str, Any]) -> dict[str, Projection]:
-    """Every linear module the model has, by Hugging Face module name, from the family's table."""
+    """Every linear module the model has, by Hugging Face module name, from the family's table.
+
+    A mixture's router and experts are parameters of one module on both sides (transformers holds
+    each layer's experts as stacked ``gate_up_proj`` / ``down_proj`` tensors), not linear modules:
+    PEFT reaches them with ``target_parameters``, and so does `expert_parameters`."""
     flat = traverse_util.flatten_dict(dict(meta.unbox(params)), sep="/")
     found = {}
     for weight in family.WEIGHTS:
-        if not weight.transpose:
+        if not weight.transpose or not weight.dew.endswith("/kernel"):
             continue
         layered = "{i}" in weight.dew
         for i in range(model.num_layers) if layered else [None]:
@@ -62,6 +71,67 @@ def linear_modules(family: Any, model: Any, params: Mapping[str, Any]) -> dict[s
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParameter:
+    """One stacked expert parameter of the base: its Hugging Face name, where its factors live in
+    Dew's layout, the expert kernels its update is split over, the layer index within stacked
+    kernels (None when not stacked), ``(experts, in, out)``, and its position among its module's
+    parameters (PEFT wraps them in that order)."""
+
+    name: str
+    factors: str
+    kernels: tuple[str, ...]
+    layer: int | None
+    shape: tuple[int, int, int]
+    order: int
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+
+def expert_parameters(family: Any, model: Any, params: Mapping[str, Any]) -> dict[str, ExpertParameter]:
+    """Every stacked expert parameter the model has, by Hugging Face name, from the family's
+    EXPERT_PARAMETERS (none for a family without mixture layers)."""
+    flat = traverse_util.flatten_dict(dict(meta.unbox(params)), sep="/")
+    stacked = getattr(model, "scan_layers", False)
+    found = {}
+    for i in range(model.num_layers):
+        for order, (suffix, kernels) in enumerate(getattr(family, "EXPERT_PARAMETERS", {}).items()):
+            folder = "layers/mlp/experts" if stacked else f"layers_{i}/mlp/experts"
+            paths = tuple(f"{folder}/{kernel}" for kernel in kernels)
+            if not all(path in flat for path in paths):
+                continue  # a dense layer
+            experts, fan_in, _ = np.shape(flat[paths[0]])[-3:]
+            width = sum(np.shape(flat[path])[-1] for path in paths)
+            name = f"model.layers.{i}.{suffix}"
+            found[name] = ExpertParameter(name, f"{folder}/{suffix.rsplit('.', 1)[-1]}", paths,
+                                          i if stacked else None, (experts, fan_in, width), order)
+    return found
+
+
+def select_parameters(lora: LoRA, family: Any, parameters: Mapping[str, ExpertParameter]) -> list[ExpertParameter]:
+    """The expert parameters ``lora.parameters`` names, raising on a name that matches nothing."""
+    known = sorted(getattr(family, "EXPERT_PARAMETERS", {}))
+    for entry in lora.parameters:
+        if not any(name == entry or name.endswith("." + entry) for name in parameters):
+            if not known:
+                why = f"the {family.MODEL_TYPE} family has no stacked expert parameters"
+            elif not parameters:
+                why = "this model has no mixture layers"
+            else:
+                why = f"it matches none of this model's, which are named like {next(iter(parameters))!r}"
+            raise ValueError(f"LoRA parameters entry {entry!r} adapts nothing: {why} (expert parameters: {known})")
+    chosen = [p for name, p in parameters.items() if lora.selects_parameter(name)]
+    for parameter in chosen:
+        if lora.rank > min(parameter.shape[1:]):
+            raise ValueError(
+                f"LoRA rank={lora.rank} is larger than the expert parameter {parameter.name} "
+                f"([experts, in, out] = {list(parameter.shape)}); use rank <= {min(parameter.shape[1:])}"
+            )
+    return chosen
+
+
 def projection_names(family: Any) -> list[str]:
     """The short names of the family's linear modules (q_proj, ..., down_proj, lm_head)."""
     return sorted({w.hf.removesuffix(".weight").rsplit(".", 1)[-1] for w in family.WEIGHTS if w.transpose})
@@ -69,6 +139,8 @@ def projection_names(family: Any) -> list[str]:
 
 def select(lora: LoRA, family: Any, modules: Mapping[str, Projection]) -> list[Projection]:
     """The projections ``lora.modules`` names, raising on a name that matches nothing."""
+    if lora.modules == ():
+        return []  # the adapter covers expert parameters only
     all_linear = [name for name in modules if name.rsplit(".", 1)[-1] != HEAD]
     chosen = [p for name, p in modules.items() if lora.selects(name, all_linear)]
     known = projection_names(family)
@@ -97,9 +169,20 @@ def select(lora: LoRA, family: Any, modules: Mapping[str, Projection]) -> list[P
 
 def _targets(chosen: list[Projection], modules: Mapping[str, Projection], model: Any) -> tuple[str, ...]:
     """The adapted kernel paths; a stacked kernel must be adapted in every layer or none."""
+    return tuple(_whole_stacks([(p.kernel, p.layer) for p in chosen], model))
+
+
+def _expert_targets(chosen: list[ExpertParameter], model: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """LoRADecoder's ``experts``: (factor path, kernels) per adapted expert parameter."""
+    kernels = {p.factors: p.kernels for p in chosen}
+    return tuple((path, kernels[path]) for path in _whole_stacks([(p.factors, p.layer) for p in chosen], model))
+
+
+def _whole_stacks(paths: list[tuple[str, int | None]], model: Any) -> dict[str, set]:
+    """The paths with the layers each covers; a stacked path must cover every layer or none."""
     targets: dict[str, set] = {}
-    for projection in chosen:
-        targets.setdefault(projection.kernel, set()).add(projection.layer)
+    for path, layer in paths:
+        targets.setdefault(path, set()).add(layer)
     for kernel, layers in targets.items():
         if None not in layers and len(layers) != model.num_layers:
             raise ValueError(
@@ -107,7 +190,7 @@ def _targets(chosen: list[Projection], modules: Mapping[str, Projection], model:
                 "scan_layers=True holds one stacked kernel for all layers; load the base with "
                 "scan_layers=False to adapt some layers only"
             )
-    return tuple(targets)
+    return targets
 
 
 def _as_key(key: Any) -> jax.Array:
@@ -125,7 +208,29 @@ def _same_base(adapter_base: str, source: str) -> bool:
     return a == b or Path(a).name == Path(b).name
 
 
-def _read_factors(lora: LoRA, chosen: list[Projection], targets: tuple[str, ...],
+def _peft_names(parameter: ExpertParameter, chosen: list[ExpertParameter]) -> tuple[str, str]:
+    """PEFT's tensor names for an expert parameter's factors: under its module, one
+    ``.base_layer`` deeper for each parameter of that module adapted after it."""
+    later = sum(1 for p in chosen if p.module == parameter.module and p.order > parameter.order)
+    stem = f"{PEFT_PREFIX}{parameter.module}" + ".base_layer" * later
+    return f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"
+
+
+def _experts_from_peft(a: np.ndarray, b: np.ndarray, experts: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's ``[rank * experts, in]`` (row e * rank + k) and ``[out, rank * experts]`` (column
+    k * experts + e) as Dew's ``A [experts, in, rank]`` and ``B [experts, rank, out]``."""
+    return (a.reshape(experts, rank, a.shape[-1]).transpose(0, 2, 1),
+            b.reshape(b.shape[0], rank, experts).transpose(2, 1, 0))
+
+
+def _experts_to_peft(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `_experts_from_peft`."""
+    experts, fan_in, rank = a.shape
+    return (a.transpose(0, 2, 1).reshape(experts * rank, fan_in),
+            b.transpose(2, 1, 0).reshape(b.shape[-1], rank * experts))
+
+
+def _read_factors(lora: LoRA, chosen: list[Projection], parameters: list[ExpertParameter],
                   model: Any) -> dict[str, Any]:
     """The factors of the PEFT adapter in ``lora.weights``, in Dew's layout, checked against the base."""
     path = Path(lora.weights) / WEIGHTS_FILE
@@ -134,6 +239,11 @@ def _read_factors(lora: LoRA, chosen: list[Projection], targets: tuple[str, ...]
     for p in chosen:
         expected[f"{PEFT_PREFIX}{p.name}.lora_A.weight"] = (p, "lora_A", (lora.rank, p.shape[0]))
         expected[f"{PEFT_PREFIX}{p.name}.lora_B.weight"] = (p, "lora_B", (p.shape[1], lora.rank))
+    for p in parameters:
+        experts, fan_in, fan_out = p.shape
+        a, b = _peft_names(p, parameters)
+        expected[a] = (p, "lora_A", (lora.rank * experts, fan_in))
+        expected[b] = (p, "lora_B", (fan_out, lora.rank * experts))
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -143,34 +253,37 @@ def _read_factors(lora: LoRA, chosen: list[Projection], targets: tuple[str, ...]
         raise ValueError(
             f"the adapter in {lora.weights} does not fit this base: it {'; it '.join(parts)}. It was "
             f"made for {lora.base or 'another model'} with target_modules={lora.modules!r}"
+            + (f" and target_parameters={lora.parameters!r}" if lora.parameters else "")
         )
-    flat: dict[str, Any] = {}
-    for name, (projection, factor, shape) in expected.items():
+    read: dict[str, np.ndarray] = {}
+    for name, (owner, factor, shape) in expected.items():
         found = tensors.shape(name)
         if found != shape:
+            kind = "[in, out]" if isinstance(owner, Projection) else "[experts, in, out]"
             raise ValueError(
                 f"adapter tensor {name!r} in {path} has shape {list(found)}, but this base's "
-                f"{projection.name} ([in, out] = {list(projection.shape)}) at rank {lora.rank} needs "
+                f"{owner.name} ({kind} = {list(owner.shape)}) at rank {lora.rank} needs "
                 f"{list(shape)}; the adapter was made for another base ({lora.base or 'unnamed'})"
             )
-        array = np.asarray(tensors[name], dtype=np.float32).T  # PEFT stores [out, in]
-        key = f"{factor_path(projection.kernel)}/{factor}"
-        if projection.layer is None:
+        read[name] = np.asarray(tensors[name], dtype=np.float32)
+    flat: dict[str, Any] = {}
+
+    def place(key: str, layer: int | None, array: np.ndarray) -> None:
+        if layer is None:
             flat[key] = array
         else:
-            flat.setdefault(key, [None] * model.num_layers)[projection.layer] = array
+            flat.setdefault(key, [None] * model.num_layers)[layer] = array
+
+    for p in chosen:
+        for factor in ("lora_A", "lora_B"):
+            place(f"{factor_path(p.kernel)}/{factor}", p.layer, read[f"{PEFT_PREFIX}{p.name}.{factor}.weight"].T)
+    for p in parameters:
+        a_name, b_name = _peft_names(p, parameters)
+        a, b = _experts_from_peft(read[a_name], read[b_name], p.shape[0], lora.rank)
+        place(f"{p.factors}/lora_A", p.layer, a)
+        place(f"{p.factors}/lora_B", p.layer, b)
     flat = {k: jnp.asarray(np.stack(v) if isinstance(v, list) else v) for k, v in flat.items()}
     return traverse_util.unflatten_dict(flat, sep="/")
-
-
-def _fresh_factors(lora: LoRA, targets: tuple[str, ...], params: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
-    flat = traverse_util.flatten_dict(dict(meta.unbox(params)), sep="/")
-    factors = {}
-    for index, path in enumerate(targets):
-        a, b = lora.init_factors(jax.random.fold_in(key, index), flat[path])
-        factors[f"{factor_path(path)}/lora_A"] = a
-        factors[f"{factor_path(path)}/lora_B"] = b
-    return traverse_util.unflatten_dict(factors, sep="/")
 
 
 def adapt(pretrained: Any, lora: LoRA, *, key: Any = None) -> "AdaptedDecoder":
@@ -191,25 +304,27 @@ def adapt(pretrained: Any, lora: LoRA, *, key: Any = None) -> "AdaptedDecoder":
     params = pretrained.variables["params"]
     modules = linear_modules(family, pretrained.model, params)
     chosen = select(lora, family, modules)
-    targets = _targets(chosen, modules, pretrained.model)
+    parameters = select_parameters(lora, family, expert_parameters(family, pretrained.model, params))
     recorded = dataclasses.replace(lora, weights=None)  # the factors live in the variables from here on
-    model = LoRADecoder(pretrained.model, recorded, targets, base=pretrained.source)
+    model = LoRADecoder(pretrained.model, recorded, _targets(chosen, modules, pretrained.model), base=pretrained.source,
+                        experts=_expert_targets(parameters, pretrained.model))
     if lora.weights is not None:
-        factors = _read_factors(lora, chosen, targets, pretrained.model)
+        factors = _read_factors(lora, chosen, parameters, pretrained.model)
     else:
-        factors = _fresh_factors(lora, targets, params, key)
+        factors = model.init_factors(meta.unbox(params), key)
     return AdaptedDecoder(model=model, variables={"params": factors, "base": meta.unbox(params)},
-                          base=pretrained, modules=tuple(chosen))
+                          base=pretrained, modules=tuple(chosen), parameters=tuple(parameters))
 
 
 def restore(pretrained: Any, model: LoRADecoder, factors: Mapping[str, Any]) -> "AdaptedDecoder":
     """The adapted bundle of a saved run: ``pretrained`` (the base the run's ``model`` names,
     loaded again) with the run's trained ``factors``, checked against the adapter's layout."""
     fresh = adapt(pretrained, dataclasses.replace(model.lora, base=None), key=0)  # factors replaced below
-    if fresh.model.targets != model.targets:
+    if fresh.model.targets != model.targets or fresh.model.experts != model.experts:
         raise ValueError(
-            f"the run adapts kernels {list(model.targets)[:4]}, but its adapter settings select "
-            f"{list(fresh.model.targets)[:4]} on the base {model.base!r}; the base changed since the run"
+            f"the run adapts kernels {list(model.targets + model.experts)[:4]}, but its adapter settings select "
+            f"{list(fresh.model.targets + fresh.model.experts)[:4]} on the base {model.base!r}; the base changed "
+            "since the run"
         )
     factors = fresh._factors({"params": factors})
     return dataclasses.replace(fresh, variables={"params": factors, "base": fresh.variables["base"]})
@@ -225,12 +340,14 @@ class AdaptedDecoder:
         objective (``LMObjective(adapted, seq_len=...)``) to train the factors alone.
       base: the PretrainedDecoder adapted (its tokenizer, config and generation defaults).
       modules: the adapted projections, by Hugging Face module name.
+      parameters: the adapted stacked expert parameters, by Hugging Face parameter name.
     """
 
     model: LoRADecoder
     variables: Mapping[str, Any]
     base: Any
     modules: tuple[Projection, ...]
+    parameters: tuple[ExpertParameter, ...] = ()
 
     @property
     def lora(self) -> LoRA:
@@ -300,11 +417,29 @@ class AdaptedDecoder:
                 if projection.layer is not None:
                     array = array[projection.layer]
                 tensors[f"{PEFT_PREFIX}{projection.name}.{factor}.weight"] = np.ascontiguousarray(array.T)
-        config = self.lora.peft_config(self.base.source, self._target_modules())
+        for parameter in self.parameters:
+            a, b = (np.asarray(flat[f"{parameter.factors}/{factor}"], np.float32) for factor in ("lora_A", "lora_B"))
+            if parameter.layer is not None:
+                a, b = a[parameter.layer], b[parameter.layer]
+            for name, array in zip(_peft_names(parameter, list(self.parameters)), _experts_to_peft(a, b)):
+                tensors[name] = np.ascontiguousarray(array)
+        config = self.lora.peft_config(self.base.source, self._target_modules(), self._target_parameters())
         with staged_directory(dest) as staging:
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             save_file(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
         return dest
+
+    def _target_parameters(self) -> list[str]:
+        """PEFT's target_parameters: ``mlp.experts.gate_up_proj`` where every layer's is adapted,
+        the full parameter names otherwise."""
+        family = families.decoder_family(dict(self.config), "the bundle's config")
+        every = expert_parameters(family, self.model.model, self.variables["base"])
+        chosen = {p.name for p in self.parameters}
+        names = []
+        for suffix in sorted({name.split(".", 3)[-1] for name in chosen}):
+            instances = {name for name in every if name.endswith("." + suffix)}
+            names += [suffix] if instances <= chosen else sorted(instances & chosen)
+        return names
 
     def _target_modules(self) -> list[str]:
         """PEFT's target_modules: a short name (``q_proj``) where every module of that name is

@@ -12,6 +12,12 @@ is added to the output of every adapted ``nn.Dense`` by a Flax method intercepto
 factors from a ``"lora"`` collection laid out like the params. A model with ``scan_layers=True``
 stacks its layers inside ``nn.scan``, which the interceptor cannot see into, so there the
 factors are folded into the kernels (``W + (alpha / rank) A B``) before the forward pass instead.
+
+A mixture's experts are stacked parameters, not ``nn.Dense`` modules, on both sides: PEFT adapts
+them with ``target_parameters`` (one ``A [experts, in, rank]``, ``B [experts, rank, out]`` pair per
+stacked parameter), and so does `LoRA(parameters=...)`. Their factors are always folded into the
+expert kernels before the forward pass; a fused parameter such as transformers' ``gate_up_proj``
+splits its update along the output axis over Dew's ``gate_proj`` and ``up_proj`` kernels.
 """
 
 from __future__ import annotations
@@ -51,7 +57,6 @@ UNSUPPORTED_PEFT_OPTIONS: dict[str, tuple[Any, ...]] = {
     "alpha_pattern": (None, {}),
     "exclude_modules": (None, ()),
     "layer_replication": (None, ()),
-    "target_parameters": (None, ()),
     "trainable_token_indices": (None, ()),
     "alora_invocation_tokens": (None, ()),
     "use_qalora": (False, None),
@@ -75,6 +80,10 @@ class LoRA:
       modules: the projections to adapt by Hugging Face module name (``q_proj`` ... ``down_proj``;
         a name matches a module whose name ends with it), or one string: a regular expression
         the whole module name must match, or ``"all-linear"`` for every projection but the head.
+        May be empty when `parameters` names what to adapt.
+      parameters: stacked expert parameters to adapt, by Hugging Face parameter name (PEFT's
+        ``target_parameters``: ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``; a name
+        matches a parameter whose name ends with it).
       init: ``"kaiming"`` (``A`` uniform in ``±1/sqrt(in)``, PEFT's default) or ``"gaussian"``
         (``A`` normal with std ``1/rank``); ``B`` always starts at zero.
       weights: a PEFT adapter directory whose trained factors `adapt` loads (set by `LoRA.load`);
@@ -88,6 +97,7 @@ class LoRA:
     dropout: float = 0.0
     modules: tuple[str, ...] | str = ("q_proj", "v_proj")
     init: str = "kaiming"
+    parameters: tuple[str, ...] = ()
     weights: str | None = None
     base: str | None = None
 
@@ -110,10 +120,19 @@ class LoRA:
                                      f"regular expression ({error}); pass a tuple such as ('q_proj', 'v_proj')") from None
         else:
             modules = tuple(modules)
-            if not modules or not all(isinstance(m, str) and m for m in modules):
-                raise ValueError(f"LoRA modules must be a non-empty tuple of module names such as "
+            if not all(isinstance(m, str) and m for m in modules):
+                raise ValueError(f"LoRA modules must be a tuple of module names such as "
                                  f"('q_proj', 'v_proj'); got {self.modules!r}")
             object.__setattr__(self, "modules", modules)
+        parameters = (self.parameters,) if isinstance(self.parameters, str) else tuple(self.parameters)
+        if not all(isinstance(p, str) and p for p in parameters):
+            raise ValueError(f"LoRA parameters must be a tuple of parameter names such as "
+                             f"('mlp.experts.gate_up_proj',); got {self.parameters!r}")
+        object.__setattr__(self, "parameters", parameters)
+        if modules == () and not parameters:
+            raise ValueError("LoRA adapts nothing: modules and parameters are both empty; name projections "
+                             "such as modules=('q_proj', 'v_proj') or expert parameters such as "
+                             "parameters=('mlp.experts.gate_up_proj',)")
 
     @property
     def scaling(self) -> float:
@@ -129,6 +148,11 @@ class LoRA:
         if isinstance(self.modules, str):
             return re.fullmatch(self.modules, module_name) is not None
         return any(module_name == m or module_name.endswith("." + m) for m in self.modules)
+
+    def selects_parameter(self, name: str) -> bool:
+        """Whether the stacked parameter ``name`` (``model.layers.0.mlp.experts.gate_up_proj``) is
+        adapted, by PEFT's rule for target_parameters: the whole name or its last parts."""
+        return any(name == p or name.endswith("." + p) for p in self.parameters)
 
     def init_factors(self, key: jax.Array, kernel: jax.ShapeDtypeStruct | jax.Array) -> tuple[jax.Array, jax.Array]:
         """Fresh float32 ``(A, B)`` for a kernel ``[..., in, out]`` (leading axes: stacked layers)."""
@@ -194,21 +218,24 @@ class LoRA:
             )
         rank = config.get("r")
         targets = config.get("target_modules")
-        if targets is None:
-            raise ValueError(f"{where} names no target_modules; Dew needs the modules the adapter covers")
-        modules = targets if isinstance(targets, str) else tuple(sorted(targets))
+        parameters = tuple(sorted(config.get("target_parameters") or ()))
+        if targets is None and not parameters:
+            raise ValueError(f"{where} names no target_modules or target_parameters; Dew needs what the adapter covers")
+        modules = targets if isinstance(targets, str) else tuple(sorted(targets or ()))
         return cls(
             rank=rank,
             alpha=config.get("lora_alpha", 8),
             dropout=float(config.get("lora_dropout") or 0.0),
             modules=modules,
             init="gaussian" if init == "gaussian" else "kaiming",
+            parameters=parameters,
             weights=weights,
             base=config.get("base_model_name_or_path") if check_base else None,
         )
 
-    def peft_config(self, base: str | None, targets: Sequence[str]) -> dict[str, Any]:
-        """adapter_config.json for PEFT: ``targets`` are the module names the adapter covers."""
+    def peft_config(self, base: str | None, targets: Sequence[str], parameters: Sequence[str] = ()) -> dict[str, Any]:
+        """adapter_config.json for PEFT: ``targets`` are the module names the adapter covers,
+        ``parameters`` the stacked parameter names."""
         return {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -217,6 +244,7 @@ class LoRA:
             "lora_alpha": self.rank if self.alpha is None else self.alpha,
             "lora_dropout": self.dropout,
             "target_modules": sorted(targets),
+            "target_parameters": sorted(parameters) or None,
             "bias": "none",
             "fan_in_fan_out": False,
             "use_dora": False,
@@ -242,10 +270,14 @@ def factor_path(kernel_path: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LoRADecoder:
-    """A decoder with low-rank adapters on the kernels ``targets`` (``layers_0/self_attn/q_proj/kernel``).
+    """A decoder with low-rank adapters on the kernels ``targets`` (``layers_0/self_attn/q_proj/kernel``)
+    and on the stacked expert parameters ``experts``.
 
     Its variables are ``{"params": factors, "base": the decoder's params}``, factors laid out like
-    the params (``layers_0/self_attn/q_proj/lora_A``). ``apply`` takes the decoder's arguments and
+    the params (``layers_0/self_attn/q_proj/lora_A``). Each entry of ``experts`` is ``(factor path,
+    expert kernels)``: one ``A B`` pair at the factor path (``layers_0/mlp/experts/gate_up_proj``)
+    whose update is split along the output axis over the kernels, in order
+    (``layers_0/mlp/experts/gate_proj``, ``layers_0/mlp/experts/up_proj``). ``apply`` takes the decoder's arguments and
     returns what it returns; ``rngs={"dropout": key}`` turns the adapter's dropout on. ``base``
     names the checkpoint (directory or Hub id) the frozen weights come from, so a run record of
     this model references the base instead of copying it.
@@ -255,14 +287,21 @@ class LoRADecoder:
     lora: LoRA
     targets: tuple[str, ...]
     base: str | None = None
+    experts: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     #: collections held fixed from the starting weights: a trainer neither trains nor saves them
     frozen_collections: ClassVar[tuple[str, ...]] = ("base",)
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
-        if not self.targets:
-            raise ValueError("LoRADecoder needs at least one kernel to adapt; targets is empty")
+        object.__setattr__(self, "experts", tuple((path, tuple(kernels)) for path, kernels in self.experts))
+        if not self.targets and not self.experts:
+            raise ValueError("LoRADecoder needs at least one kernel to adapt; targets and experts are empty")
+        if self.experts and self.lora.dropout:
+            raise ValueError(
+                f"LoRA dropout={self.lora.dropout} cannot act on expert parameters: their factors are folded "
+                "into the expert kernels, where no dropout on the adapter's input can be applied; use dropout=0"
+            )
         if getattr(self.model, "scan_layers", False) and self.lora.dropout:
             raise ValueError(
                 f"LoRA dropout={self.lora.dropout} needs a model with scan_layers=False: a scanned "
@@ -283,26 +322,35 @@ class LoRADecoder:
         return self.model.init_cache(*args, **kwargs)
 
     def init(self, key: jax.Array, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Fresh variables: the decoder's own init as the base, fresh factors (with the kernels'
-        logical axis names, the rank axis unnamed)."""
+        """Fresh variables: the decoder's own init as the base, fresh factors over it."""
         base_key, factor_key = jax.random.split(key)
         base = self.model.init(base_key, *args, **kwargs)["params"]
-        flat = traverse_util.flatten_dict(dict(base), sep="/")
+        return {"params": self.init_factors(base, factor_key), "base": base}
+
+    def init_factors(self, params: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
+        """Fresh factors for the decoder's ``params``, one key per target (with the kernels' logical
+        axis names where the params carry them, the rank axis unnamed)."""
+        flat = traverse_util.flatten_dict(dict(params), sep="/")
         self._check_targets(flat)
+        pairs = [(f"{factor_path(path)}", (path,)) for path in self.targets] + list(self.experts)
         factors = {}
-        for index, path in enumerate(self.targets):
-            kernel = flat[path]
-            a, b = self.lora.init_factors(jax.random.fold_in(factor_key, index), meta.unbox(kernel))
-            if isinstance(kernel, meta.Partitioned):
-                names = tuple(kernel.names)
-                a = meta.Partitioned(a, names=names[:-1] + (None,), mesh=kernel.mesh)
-                b = meta.Partitioned(b, names=names[:-2] + (None, names[-1]), mesh=kernel.mesh)
-            factors[f"{factor_path(path)}/lora_A"] = a
-            factors[f"{factor_path(path)}/lora_B"] = b
-        return {"params": traverse_util.unflatten_dict(factors, sep="/"), "base": base}
+        for index, (where, kernels) in enumerate(pairs):
+            first = flat[kernels[0]]
+            *lead, fan_in, _ = meta.unbox(first).shape
+            width = sum(meta.unbox(flat[k]).shape[-1] for k in kernels)
+            a, b = self.lora.init_factors(jax.random.fold_in(key, index),
+                                          jax.ShapeDtypeStruct((*lead, fan_in, width), jnp.float32))
+            if isinstance(first, meta.Partitioned):
+                names = tuple(first.names)
+                a = meta.Partitioned(a, names=names[:-1] + (None,), mesh=first.mesh)
+                b = meta.Partitioned(b, names=names[:-2] + (None, names[-1]), mesh=first.mesh)
+            factors[f"{where}/lora_A"] = a
+            factors[f"{where}/lora_B"] = b
+        return traverse_util.unflatten_dict(factors, sep="/")
 
     def _check_targets(self, flat: Mapping[str, Any]) -> None:
-        missing = [path for path in self.targets if path not in flat]
+        missing = [path for path in self.targets + tuple(k for _, kernels in self.experts for k in kernels)
+                   if path not in flat]
         if missing:
             raise ValueError(f"the adapter targets kernels {missing[:4]} that the model does not have")
 
@@ -310,7 +358,10 @@ class LoRADecoder:
         """The decoder's forward pass with the adapters; takes and returns what the decoder does."""
         base, factors = _split(variables)
         if getattr(self.model, "scan_layers", False):
-            return self.model.apply({"params": merge(base, factors, self.lora.scaling)}, *args, **kwargs)
+            merged = merge(base, factors, self.lora.scaling, self.experts)
+            return self.model.apply({"params": merged}, *args, **kwargs)
+        if self.experts:  # expert parameters are folded; the projections get the low-rank path below
+            base = merge(base, factors, self.lora.scaling, self.experts, dense=False)
         with nn.intercept_methods(self._add_low_rank_path):
             return self.model.apply({"params": base, "lora": factors}, *args, rngs=rngs, **kwargs)
 
@@ -338,7 +389,7 @@ class LoRADecoder:
         """The decoder's own variables with the factors folded in: ``W + scaling * A B`` per target,
         in the base's dtype (so a bfloat16 base rounds the sum)."""
         base, factors = _split(variables)
-        return {"params": merge(base, factors, self.lora.scaling)}
+        return {"params": merge(base, factors, self.lora.scaling, self.experts)}
 
 
 def _split(variables: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -351,13 +402,28 @@ def _split(variables: Mapping[str, Any]) -> tuple[Any, Any]:
     return jax.lax.stop_gradient(variables["base"]), variables["params"]
 
 
-def merge(base: Mapping[str, Any], factors: Mapping[str, Any], scaling: float) -> dict[str, Any]:
-    """``base`` params with each adapted kernel replaced by ``W + scaling * A B`` (in W's dtype)."""
+def merge(base: Mapping[str, Any], factors: Mapping[str, Any], scaling: float,
+          experts: Sequence[tuple[str, Sequence[str]]] = (), *, dense: bool = True) -> dict[str, Any]:
+    """``base`` params with each adapted kernel replaced by ``W + scaling * A B`` (in W's dtype):
+    the projections' kernels (unless ``dense=False``) and the expert kernels of ``experts``, each
+    taking its slice of its factor pair's update along the output axis."""
     flat = traverse_util.flatten_dict(dict(base), sep="/")
     flat_factors = traverse_util.flatten_dict(dict(factors), sep="/")
-    for path in [p for p in flat_factors if p.endswith("/lora_A")]:
-        module = path[: -len("/lora_A")]
-        kernel = flat[f"{module}/kernel"]
-        delta = jnp.matmul(flat_factors[path], flat_factors[f"{module}/lora_B"]) * scaling
-        flat[f"{module}/kernel"] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+    def add(path: str, delta: jax.Array) -> None:
+        flat[path] = (flat[path].astype(jnp.float32) + delta).astype(flat[path].dtype)
+
+    stacked = {path for path, _ in experts}
+    if dense:
+        for path in [p for p in flat_factors if p.endswith("/lora_A")]:
+            module = path[: -len("/lora_A")]
+            if module not in stacked:
+                add(f"{module}/kernel", jnp.matmul(flat_factors[path], flat_factors[f"{module}/lora_B"]) * scaling)
+    for module, kernels in experts:
+        delta = jnp.matmul(flat_factors[f"{module}/lora_A"], flat_factors[f"{module}/lora_B"]) * scaling
+        start = 0
+        for path in kernels:
+            width = flat[path].shape[-1]
+            add(path, delta[..., start:start + width])
+            start += width
     return traverse_util.unflatten_dict(flat, sep="/")

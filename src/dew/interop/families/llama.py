@@ -20,6 +20,16 @@ ARCHITECTURE = "LlamaForCausalLM"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+# A mixture layer's experts as transformers holds them in memory (and PEFT's target_parameters
+# name them): two stacked parameters under ``mlp.experts``, ``gate_up_proj`` being Dew's
+# ``gate_proj`` and ``up_proj`` side by side on the output axis. Families whose experts follow it
+# list it as their EXPERT_PARAMETERS.
+STACKED_EXPERTS: dict[str, tuple[str, ...]] = {
+    "mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.experts.down_proj": ("down_proj",),
+}
+
+
 @dataclass(frozen=True)
 class Weight:
     """One tensor: its name in the checkpoint and its path in Dew's params.

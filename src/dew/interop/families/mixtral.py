@@ -31,6 +31,7 @@ WEIGHTS: tuple[Weight, ...] = tuple(w for w in llama.WEIGHTS if ".mlp." not in w
     _expert("w3", "up_proj"),
     _expert("w2", "down_proj"),
 )
+EXPERT_PARAMETERS = llama.STACKED_EXPERTS  # adapters reach the experts through these
 IGNORED_SUFFIXES = llama.IGNORED_SUFFIXES
 
 

@@ -31,6 +31,7 @@ WEIGHTS: tuple[Weight, ...] = qwen3.WEIGHTS + (
     _expert("up_proj"),
     _expert("down_proj"),
 )
+EXPERT_PARAMETERS = llama.STACKED_EXPERTS  # adapters reach the experts through these
 IGNORED_SUFFIXES = llama.IGNORED_SUFFIXES
 
 
