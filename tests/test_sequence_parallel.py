@@ -4,13 +4,14 @@ device holds a whole sequence's activations."""
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from dew import MeshSpec, Trainer
+from dew import Aux, Field, InputSpec, MeshSpec, Objective, Trainer
 from dew.data import Dataset
 from dew.nn import sequence_parallel
 from dew.nn.attention import dot_product_attention
@@ -77,7 +78,7 @@ def unsplit_losses():
 @pytest.mark.parametrize(
     "mesh, exchange, rows",  # rows: the batch rows each device holds
     [(MeshSpec(sequence=4), "ulysses", 4), (MeshSpec(sequence=4), "gather", 4),
-     (MeshSpec(fsdp=2, tensor=2, sequence=2), "auto", 4)],
+     (MeshSpec(fsdp=2, tensor=2, sequence=2), "ulysses", 4)],
     ids=["sequence4-ulysses", "sequence4-gather", "fsdp2-tensor2-sequence2"],
 )
 def test_split_sequences_train_like_unsplit_ones(mesh, exchange, rows, unsplit_losses):
@@ -90,7 +91,7 @@ def test_split_sequences_train_like_unsplit_ones(mesh, exchange, rows, unsplit_l
     gathered = re.findall(rf"f32\[{rows},{LENGTH},\d+,12\][^ ]* all-gather\(", hlo)
     if exchange == "ulysses":
         assert all_to_alls > 0 and not gathered
-    else:  # auto takes the gather for 2 devices: Ulysses would move as many bytes
+    else:
         assert all_to_alls == 0 and gathered
 
 
@@ -145,3 +146,24 @@ def test_splits_that_do_not_fit_raise_naming_what_and_by_how_much():
         t.fit(Dataset.from_records(batch, batch=ROWS), steps=1)
     with pytest.raises(ValueError, match="sequence_exchange='ring' is not a sequence-parallel exchange"):
         Layout(sequence_exchange="ring")
+
+
+class Regression(Objective):
+    """An objective whose model has no sequence to split."""
+
+    model = nn.Dense(1)
+    inputs = InputSpec(Field("x", (4,)))
+
+    def init(self, key, variables=None):
+        return self.model.init(key, jnp.ones((1, 4)))
+
+    def loss(self, variables, batch, step):
+        return jnp.mean(self.model.apply(variables, batch["x"]) ** 2), Aux()
+
+
+def test_a_sequence_axis_that_no_model_splits_is_refused():
+    t = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), mesh=MeshSpec(sequence=2))
+    with pytest.raises(ValueError, match=r"MeshSpec\(sequence=2\).*Regression's model splits none.*sequence=1"):
+        t.fit(Dataset.from_records({"x": np.ones((8, 4), np.float32)}, batch=8), steps=1)
+    unsplit = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), mesh=MeshSpec())
+    unsplit.fit(Dataset.from_records({"x": np.ones((8, 4), np.float32)}, batch=8), steps=1)  # no axis: no complaint

@@ -105,22 +105,29 @@ class SequenceSplit:
             )
 
 
-_ACTIVE: contextvars.ContextVar[SequenceSplit | None] = contextvars.ContextVar("dew_sequence_split", default=None)
+# the split in force and the lengths it has split so far (so a caller can tell whether any model used it)
+_ACTIVE: contextvars.ContextVar[tuple[SequenceSplit | None, list[int]]] = contextvars.ContextVar(
+    "dew_sequence_split", default=(None, []))
 
 
 @contextlib.contextmanager
-def splitting(split: SequenceSplit | None) -> Iterator[None]:
-    """Split sequences as `split` says while a model is traced inside this block (None: do not)."""
-    token = _ACTIVE.set(split)
+def splitting(split: SequenceSplit | None) -> Iterator[list[int]]:
+    """Split sequences as `split` says while a model is traced inside this block (None: do not).
+
+    Yields the list of lengths `split_length` splits inside the block: empty afterwards means no
+    model traced there splits anything, and the sequence axis's devices repeat each other's work.
+    """
+    split_lengths: list[int] = []
+    token = _ACTIVE.set((split, split_lengths))
     try:
-        yield
+        yield split_lengths
     finally:
         _ACTIVE.reset(token)
 
 
 def active() -> SequenceSplit | None:
     """The split a model being traced now runs under, or None."""
-    split = _ACTIVE.get()
+    split = _ACTIVE.get()[0]
     return split if split is not None and split.size > 1 else None
 
 
@@ -130,6 +137,7 @@ def split_length(x: jax.Array) -> jax.Array:
     if split is None:
         return x
     split.check_length(x.shape[1])
+    _ACTIVE.get()[1].append(x.shape[1])
     spec = PartitionSpec(split.batch_spec(x.shape[0]), split.axis, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(split.mesh, spec))
 
