@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.checks import count_fields
+from dew.nn.sequence_parallel import SequenceSplit, check_exchange
 
 # Mesh axes, outermost first. `replicas` spans hosts in hybrid sharding; `data` is what is left.
 AXES = ("replicas", "data", "fsdp", "expert", "sequence", "tensor")
@@ -26,8 +27,6 @@ UNUSED_AXES = {
     "expert": "mixture-of-experts layers do not shard their experts over it yet (their dispatch is "
     "global: every device holds every expert), so the axis would only split the batch as the data "
     "axis does",
-    "sequence": "no Dew objective splits a sequence's positions over devices, so each device on "
-    "the axis would repeat the same computation",
 }
 # The axes a global batch is split over.
 BATCH_AXES = ("replicas", "data", "fsdp", "expert")
@@ -125,11 +124,15 @@ class Layout:
     sharded over `fsdp` on their largest dimension that divides evenly. `host` names parts of the
     training state ("opt_state", "ema") kept in pinned host memory between steps: the step moves
     them to the device, uses them and writes them back, trading transfers for device memory.
+    `sequence_exchange` is how attention trades a split sequence (`MeshSpec(sequence=k)`): "auto"
+    (Ulysses all-to-alls when the heads split and they move fewer bytes, else a key/value gather),
+    or "ulysses" / "gather" to force one (see `dew.nn.sequence_parallel`).
     """
 
     rules: Sequence[tuple[str, Any]] = DEFAULT_RULES
     min_shard: int = 2**10
     host: Sequence[str] = ()
+    sequence_exchange: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple((str(k), v) for k, v in self.rules))
@@ -138,6 +141,7 @@ class Layout:
         if unknown:
             raise ValueError(f"Layout(host=...) names {unknown}; the parts that can live in host memory are {HOST_PARTS}.")
         object.__setattr__(self, "host", host)
+        check_exchange(self.sequence_exchange)
         for logical, target in self.rules:
             for axis in _as_tuple(target):
                 if axis not in AXES:
@@ -230,6 +234,13 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
     first = None if not axes else axes[0] if len(axes) == 1 else axes
     return NamedSharding(mesh, PartitionSpec(first, *([None] * (ndim - 1))))
+
+
+def sequence_split(mesh: Mesh, layout: Layout) -> SequenceSplit | None:
+    """How a step on `mesh` splits token activations along their length (None: the axis is 1)."""
+    if mesh.shape["sequence"] == 1:
+        return None
+    return SequenceSplit(mesh, BATCH_AXES, axis="sequence", heads_axis="tensor", exchange=layout.sequence_exchange)
 
 
 def batch_divisor(mesh: Mesh) -> int:

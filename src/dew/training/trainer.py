@@ -22,6 +22,7 @@ import optax
 
 from dew.data.dataset import Dataset, Partition
 from dew.eval.evaluation import Evaluation, EvaluationResult
+from dew.nn.sequence_parallel import splitting
 from dew.objectives.base import Aux, Objective, Step
 from dew.training import mesh as mesh_lib
 from dew.training import positions
@@ -320,7 +321,16 @@ class Trainer:
         state = self._in_memory(state, "device")
         step_root = jax.random.split(state.key)[1]
         step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
-        loss, aux, grads = self._gradients(state, batch, step)
+        split = mesh_lib.sequence_split(self.mesh, self.layout)
+        with splitting(split) as split_lengths:  # the model traced with its token rows split along the length
+            loss, aux, grads = self._gradients(state, batch, step)
+        if split is not None and not split_lengths:
+            raise ValueError(
+                f"MeshSpec(sequence={split.size}) splits sequences over {split.size} devices, but "
+                f"{type(self.objective).__name__}'s model splits none (decoders such as CausalTransformer "
+                f"do), so those devices would repeat each other's work. Use sequence=1 and give the "
+                f"devices to fsdp= or the data axis."
+            )
         params = state.variables["params"]
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)

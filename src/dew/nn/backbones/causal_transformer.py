@@ -30,11 +30,13 @@ import numpy as np
 from flax.core import FrozenDict
 from jax.ad_checkpoint import checkpoint_name
 
-from dew.nn.attention import cache_attention, check_attention_impl, dot_product_attention
+from dew.nn.attention import cache_attention, check_attention_impl
 from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_plan, resolve_mlp_plan
 from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv, write_positions
 from dew.nn.moe import ROUTER_COLLECTION, Mixture
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
+from dew.nn.sequence_parallel import split_length, token_rows
+from dew.nn.sequence_parallel import attention as sequence_attention
 
 REMAT_POLICIES = ("full", "minimal", "save_qkv_proj", "minimal_offloaded", "save_qkv_proj_offloaded")
 INIT_STD = 0.02  # N(0, 0.02) for every weight, as in GPT-2 / Llama's initializer_range
@@ -151,8 +153,8 @@ class SelfAttention(nn.Module):
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
         batch, length, emb = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        # 2-D rows into the products, as in the MLP: XLA's CPU backward then needs no transposes
-        q, k, v = self.project_qkv(x.reshape(batch * length, emb))
+        rows = token_rows(x)  # 2-D rows into the products, 3-D when the length is split
+        q, k, v = self.project_qkv(rows)
         q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
         q = q.reshape(batch, length, heads, head_dim)
         k = k.reshape(batch, length, kv_heads, head_dim)
@@ -172,7 +174,7 @@ class SelfAttention(nn.Module):
         window = self.window if window is None else window
         attend = dict(causal=self.causal, window=window, impl=self.attention_impl)
         if layer_cache is None:
-            out = dot_product_attention(q, k, v, segment_ids=segment_ids, **attend)
+            out = sequence_attention(q, k, v, segment_ids=segment_ids, **attend)  # split by the step's mesh
             new_cache = None
         else:
             # write this call's keys and values to the shared slots from `index`, then attend over
@@ -186,7 +188,7 @@ class SelfAttention(nn.Module):
             )
             new_cache = (cache_k, cache_v)
 
-        out = self.project_out(out.reshape(batch * length, heads * head_dim), emb)
+        out = self.project_out(out.reshape(*rows.shape[:-1], heads * head_dim), emb)
         return out.reshape(batch, length, emb), new_cache
 
 
@@ -240,7 +242,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         shape = x.shape
-        x = x.reshape(-1, shape[-1])  # 2-D matmuls: XLA's CPU backward then needs no transposes
+        x = token_rows(x)  # 2-D matmuls (XLA's CPU backward then needs no transposes) unless split
         gate, up = self.project_gate_up(x)
         return self.project_down(nn.silu(gate) * up, shape[-1]).reshape(shape)
 
@@ -471,7 +473,7 @@ class CausalTransformer(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), ("vocab", "embed")),
             name="embed_tokens",
         )
-        x = embed(tokens)
+        x = split_length(embed(tokens))  # positions over the sequence axis, when the step splits them
 
         plan = self.layer_plan
         block_args = dict(
@@ -505,7 +507,7 @@ class CausalTransformer(nn.Module):
             new_k, new_v = tuple(new_k), tuple(new_v)
 
         x = RMSNorm(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
-        rows = x.reshape(batch * length, self.emb_features)  # 2-D, as every product of the blocks
+        rows = token_rows(x)  # as every product of the blocks
         if self.tie_embeddings:
             logits = embed.attend(rows)
         else:
