@@ -195,6 +195,8 @@ def check_common(model: Any, family: str, *, mixture: bool = False, qkv_bias: bo
         )
     if not model.causal:
         raise ValueError(f"causal=False cannot be exported as {family}: transformers' decoders are causal")
+    if model.attention_sinks and family != "gpt_oss":
+        raise ValueError(f"attention_sinks=True cannot be exported as {family}, whose attention has no sinks; it exports as gpt_oss")
     thetas = {kind.rope_theta for kind in model.layer_plan if kind.rope_theta is not None}
     if thetas - {model.rope_theta}:
         raise ValueError(
