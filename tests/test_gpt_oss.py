@@ -101,6 +101,21 @@ def test_the_comparison_catches_dropped_sinks_an_unclamped_swiglu_and_all_full_a
     assert far(logits(model, {"params": no_router_bias}))
 
 
+def test_the_load_balancing_loss_is_the_one_transformers_reports(loaded):
+    from dew.nn.moe import router_metrics
+
+    bundle = loaded["dense"]
+    _, recorded = bundle.model.apply(bundle.variables, jnp.asarray(REFERENCE["input_ids"]), mutable=["router"])
+    np.testing.assert_allclose(float(router_metrics(recorded["router"])["balance"]), float(REFERENCE["aux_loss"]),
+                               rtol=1e-5)
+    # negative control: without the router's bias the experts chosen, and so the loss, change
+    unbiased = params(bundle)
+    for layer in ("layers_0", "layers_1"):
+        unbiased[layer]["mlp"]["gate_bias"] = jnp.zeros_like(unbiased[layer]["mlp"]["gate_bias"])
+    _, recorded = bundle.model.apply({"params": unbiased}, jnp.asarray(REFERENCE["input_ids"]), mutable=["router"])
+    assert abs(float(router_metrics(recorded["router"])["balance"]) - float(REFERENCE["aux_loss"])) > 1e-3
+
+
 def test_loading_translates_the_config(loaded):
     model = loaded["dense"].model
     assert model.layer_types == ("sliding_attention", "full_attention")
@@ -256,6 +271,8 @@ def test_a_model_with_sinks_built_in_dew_exports_as_gpt_oss(tmp_path):
         gpt_oss.hf_config(model.clone(mixture={**model.mixture, "activation": "swiglu"}))
     with pytest.raises(ValueError, match="attention_sinks=False cannot be exported as gpt_oss"):
         gpt_oss.hf_config(model.clone(attention_sinks=False))
+    with pytest.raises(ValueError, match="GPT-OSS's experts export as gpt_oss"):  # no sinks: tried as mixtral
+        PretrainedDecoder.from_model(model.clone(attention_sinks=False), variables)
 
 
 # --- live reference --------------------------------------------------------------------------------
