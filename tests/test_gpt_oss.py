@@ -176,11 +176,15 @@ def test_mxfp4_encoding_round_trips_and_rounds_to_the_nearest_value():
             candidates = np.sign(block)[:, None] * np.ldexp(grid, exponent)[None, :]
             nearest = np.abs(candidates - block[:, None]).min(axis=1)
             np.testing.assert_allclose(np.abs(got - block), nearest, atol=0, rtol=0)
-    # ties go to the even code: 5 lies between 4 (code 6) and 6 (code 7), 1.25 between 1 and 1.5
+    # as downcast_to_mxfp rounds: a tie goes away from zero (5 between 4 and 6, 1.25 between 1 and
+    # 1.5, -0.75 between -0.5 and -1, 0.25 between 0 and 0.5), and the scale is max / 6 rounded up
     tie = np.zeros((32, 1), np.float32)
-    tie[:4, 0] = [6.0, 5.0, 1.25, -0.75]
-    np.testing.assert_array_equal(codecs.dequantize_packed_mxfp4(*codecs.quantize_packed_mxfp4(tie))[:4, 0],
-                                  [6.0, 4.0, 1.0, -1.0])
+    tie[:6, 0] = [6.0, 5.0, 1.25, -0.75, 0.25, 0.2]
+    blocks, scales = codecs.quantize_packed_mxfp4(tie)
+    assert scales.tolist() == [[127]]
+    np.testing.assert_array_equal(codecs.dequantize_packed_mxfp4(blocks, scales)[:6, 0], [6.0, 6.0, 1.5, -1.0, 0.5, 0.0])
+    assert codecs.quantize_packed_mxfp4(tie * np.float32(1.01))[1].tolist() == [[128]]  # 6.06 needs the next scale
+    assert codecs.quantize_packed_mxfp4(np.zeros((32, 1), np.float32))[1].tolist() == [[0]]
 
 
 def test_save_writes_the_checkpoint_it_read_mxfp4_bytes_included(tmp_path, loaded):

@@ -7,12 +7,14 @@ E8M0 exponent biased by 127, in ``*_scales [..., out, in / 32]`` (uint8). A valu
 ``FP4_VALUES[code] * 2 ** (scale - 127)``, exactly what transformers' ``convert_moe_packed_tensors``
 computes, and exact in float32.
 
-Encoding chooses each block's exponent so that its largest magnitude fits FP4's largest, 6
-(``ceil(log2(max / 6))``), and rounds every value to the nearest FP4 value (ties to the even
-code). A block's exponent is ambiguous when its values fit two exponents (all of them at most 3
-times the smaller one's scale), so ``quantize_packed_mxfp4`` takes the scales the tensor was read
-with and keeps a block's old exponent whenever the block still holds exactly what it decoded to:
-weights saved unchanged get back the bytes they were read from.
+Encoding follows the rule of the tool that wrote the release, triton_kernels' ``downcast_to_mxfp``
+(the quantizer transformers calls): a block's scale is ``max |value| / 6`` in float32 rounded up
+to a power of two (so the largest magnitude fits FP4's largest, 6), and each value divided by it
+goes to the nearest FP4 value, a tie to the one farther from zero. A block's exponent is
+ambiguous once decoded (a block whose largest code is 3 also fits the next smaller scale), so
+``quantize_packed_mxfp4`` takes the scales the tensor was read with and keeps a block's old
+exponent whenever the block still holds exactly what it decoded to: weights saved unchanged get
+back the bytes they were read from.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 FP4_MAX = 6.0
+FP4_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)  # between neighbouring magnitudes
 BLOCK = 32  # values per scale
 SCALE_BIAS = 127
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
@@ -52,23 +55,18 @@ def dequantize_packed_mxfp4(blocks: Any, scales: Any, name: str = "tensor") -> n
 
 
 def _exponents(values: np.ndarray) -> np.ndarray:
-    """Each block's smallest exponent ``e`` with ``max |value| <= 6 * 2 ** e`` (zero blocks: -127)."""
-    largest = np.max(np.abs(values), axis=-1)
-    _, power = np.frexp(largest)  # largest = f * 2 ** power, f in [0.5, 1)
-    exponents = power.astype(np.int32) - 3  # 6 * 2 ** (power - 3) >= largest unless f > 0.75
-    exponents += largest > FP4_MAX * np.ldexp(1.0, exponents)
-    exponents = np.where(largest > 0, exponents, -SCALE_BIAS)
-    return np.clip(exponents, -SCALE_BIAS, 255 - SCALE_BIAS - 1)
+    """Each block's exponent: ``max |value| / 6`` in float32, its bits rounded up to a power of two
+    (``downcast_to_mxfp``'s ROUND_UP), so ``max |value| <= 6 * 2 ** e`` (a zero block: -127)."""
+    largest = np.max(np.abs(values), axis=-1).astype(np.float32)
+    bits = (largest / np.float32(FP4_MAX)).view(np.int32).astype(np.int64)
+    biased = ((bits + 0x007FFFFF) & 0x7F800000) >> 23
+    return np.minimum(biased, 254).astype(np.int32) - SCALE_BIAS
 
 
 def _codes(scaled: np.ndarray) -> np.ndarray:
-    """The FP4 code nearest each value (magnitudes rounded to nearest, ties to the even code)."""
-    magnitudes = FP4_VALUES[:8]
-    distance = np.abs(np.abs(scaled)[..., None] - magnitudes)
-    codes = np.argmin(distance, axis=-1)  # the lower code on a tie
-    upper = np.minimum(codes + 1, 7)
-    tie = (np.take_along_axis(distance, upper[..., None], -1)[..., 0] == np.min(distance, axis=-1)) & (codes % 2 == 1)
-    codes = np.where(tie & (upper != codes), upper, codes)
+    """The FP4 code nearest each value (a tie to the larger magnitude, past 6 the largest), with
+    the value's sign bit."""
+    codes = np.searchsorted(FP4_MIDPOINTS, np.abs(scaled), side="right")
     return (codes | (np.signbit(scaled) << 3)).astype(np.uint8)
 
 
