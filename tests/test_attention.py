@@ -229,3 +229,60 @@ def test_bad_arguments_raise_clear_errors():
         dot_product_attention(q, k, v, window=0)
     with pytest.raises(ValueError, match="not both"):
         dot_product_attention(q, k, v, segment_ids=SEGMENTS, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS)
+
+
+def _naive_with_sinks(q, k, v, sinks, allowed):
+    """transformers' GPT-OSS eager attention in float64: one sink logit per head joins each
+    query's softmax over its allowed keys and is dropped after."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, q_len, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for i in range(q_len):
+            keys = [j for j in range(k.shape[1]) if allowed(b, i, j)]
+            for h in range(heads):
+                logits = np.array([q[b, i, h] @ k[b, j, h // groups] for j in keys] + [0.0]) / np.sqrt(head_dim)
+                logits[-1] = sinks[h]
+                weights = np.exp(logits - logits.max())
+                weights = (weights / weights.sum())[:-1]
+                out[b, i, h] = sum(w * v[b, j, h // groups] for w, j in zip(weights, keys))
+    return out
+
+
+SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_sinks_take_a_share_of_each_heads_softmax(impl, window):
+    q, k, v = _qkv(seed=10)
+    got = dot_product_attention(q, k, v, causal=True, window=window, sinks=jnp.asarray(SINKS), impl=impl)
+    allowed = lambda b, i, j: j <= i and (window is None or i - j < window)  # noqa: E731
+    want = _naive_with_sinks(q, k, v, SINKS, allowed)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    # negative control: dropping the sinks (plain softmax) is caught
+    plain = dot_product_attention(q, k, v, causal=True, window=window, impl=impl)
+    assert np.abs(np.asarray(plain) - want).max() > 1e-2
+
+
+def test_cache_attention_applies_each_heads_sink():
+    q, _, _ = _qkv(seed=11, length=2)
+    _, k, v = _qkv(seed=12, length=6)
+    slot_positions = np.array([[0, 1, 2, 3, 4, -1], [0, 1, 2, 3, -1, -1]])
+    q_positions = np.array([[3, 4], [2, 3]])
+    keys, values = _cache_layout(k, v)
+    got = cache_attention(q, keys, values, q_positions=jnp.asarray(q_positions),
+                          kv_positions=jnp.asarray(slot_positions), window=2, sinks=jnp.asarray(SINKS))
+
+    def allowed(b, i, j):
+        p, qp = slot_positions[b, j], q_positions[b, i]
+        return 0 <= p <= qp and qp - p < 2
+
+    want = _naive_with_sinks(q, k, v, SINKS, allowed)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    swapped = cache_attention(q, keys, values, q_positions=jnp.asarray(q_positions),
+                              kv_positions=jnp.asarray(slot_positions), window=2, sinks=jnp.asarray(SINKS[::-1]))
+    assert np.abs(np.asarray(swapped) - want).max() > 1e-2  # each head reads its own sink
+    with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
+        dot_product_attention(q, q, q, sinks=jnp.zeros(3))

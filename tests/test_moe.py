@@ -286,3 +286,65 @@ def test_dpo_trains_a_mixture_policy_unchanged():
     trainer = Trainer(objective, optax.adam(3e-3), key=jax.random.key(2))
     trainer.fit(pairs, steps=6, log_every=3)
     assert trainer.history[-1]["loss"] < trainer.history[0]["loss"]
+
+
+def _gpt_oss_reference(params, rows, top_k, limit=7.0, alpha=1.702, interleaved=True):
+    """transformers' GptOssMLP row by row in NumPy: the k largest biased router logits and their
+    softmax; each expert's fused gate_up (gate in the even columns) with its bias, the clamped
+    SwiGLU ``(up + 1) * gate * sigmoid(alpha * gate)``, and the biased down projection."""
+    rows = np.asarray(rows, np.float64)
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+    e = p["experts"]
+    logits = rows @ p["gate"] + p["gate_bias"]
+    out = np.zeros_like(rows)
+    for t, row in enumerate(rows):
+        chosen = np.argsort(-logits[t])[:top_k]
+        weights = np.exp(logits[t, chosen] - logits[t, chosen].max())
+        weights /= weights.sum()
+        for expert, w in zip(chosen, weights):
+            gate_up = row @ e["gate_up_proj"][expert] + e["gate_up_proj_bias"][expert]
+            if interleaved:
+                gate, up = gate_up[0::2], gate_up[1::2]
+            else:
+                gate, up = np.split(gate_up, 2)
+            gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+            hidden = (up + 1) * gate / (1.0 + np.exp(-alpha * gate))
+            out[t] += w * (hidden @ e["down_proj"][expert] + e["down_proj_bias"][expert])
+    return out
+
+
+GPT_OSS_MIXTURE = dict(normalize_top_k=True, router_bias=True, expert_bias=True, activation="clamped_swiglu",
+                       gate_up="interleaved")
+
+
+@pytest.mark.parametrize("grouped", ["ragged_dot", "blocks"])
+def test_gpt_oss_experts_match_transformers_clamped_biased_interleaved_experts(grouped):
+    layer = Mixture(num_experts=6, top_k=3, expert_features=10, grouped=grouped, **GPT_OSS_MIXTURE)
+    rows = 4.0 * _rows()  # wide enough that the clamp at 7 cuts gates and ups
+    params = _params(layer, rows)
+    params["experts"] = {name: 8.0 * value for name, value in params["experts"].items()}
+    assert set(params["experts"]) == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+    got = np.asarray(layer.apply({"params": params}, rows))
+    want = _gpt_oss_reference(params, rows, 3)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    # negative controls: without the clamp, or reading gate and up as halves, the result differs
+    assert np.abs(got - _gpt_oss_reference(params, rows, 3, limit=1e9)).max() > 1e-2
+    assert np.abs(got - _gpt_oss_reference(params, rows, 3, interleaved=False)).max() > 1e-2
+    plain = layer.clone(activation="swiglu")
+    assert np.abs(np.asarray(plain.apply({"params": params}, rows)) - want).max() > 1e-2
+
+
+def test_separate_expert_kernels_take_biases_too():
+    layer = Mixture(num_experts=4, top_k=2, expert_features=8, expert_bias=True, normalize_top_k=True)
+    params = nn.unbox(layer.init(jax.random.key(0), _rows()))["params"]
+    shapes = {name: value.shape for name, value in params["experts"].items()}
+    assert shapes == {"gate_proj": (4, WIDTH, 8), "up_proj": (4, WIDTH, 8), "down_proj": (4, 8, WIDTH),
+                      "gate_proj_bias": (4, 8), "up_proj_bias": (4, 8), "down_proj_bias": (4, WIDTH)}
+    moved = dict(params, experts=dict(params["experts"], down_proj_bias=params["experts"]["down_proj_bias"] + 1.0))
+    # with every expert's output bias moved by one, each row moves by the sum of its weights: one
+    shift = layer.apply({"params": moved}, _rows()) - layer.apply({"params": params}, _rows())
+    np.testing.assert_allclose(np.asarray(shift), 1.0, atol=1e-5)
+    with pytest.raises(ValueError, match="activation='gelu' is not one of"):
+        Mixture(num_experts=4, top_k=2, expert_features=8, activation="gelu")
+    with pytest.raises(ValueError, match="gate_up='fused' is not one of"):
+        Mixture(num_experts=4, top_k=2, expert_features=8, gate_up="fused")

@@ -119,6 +119,22 @@ def test_split_attention_equals_plain_attention_on_both_paths():
         assert np.abs(windowless - plain).max() > 1e-2  # the window mattered: the comparison can fail
 
 
+def test_split_attention_keeps_each_heads_sink_on_both_paths():
+    """GPT-OSS's per-head sinks: each device's heads (after Ulysses' exchange) keep their own sink."""
+    mesh = MeshSpec(sequence=4).build()
+    q, k, v = (jax.random.normal(key, shape) for key, shape in zip(
+        jax.random.split(jax.random.key(2), 3), [(2, 16, 8, 8), (2, 16, 4, 8), (2, 16, 4, 8)]))
+    sinks = jnp.linspace(-2.0, 3.0, 8)
+    plain = dot_product_attention(q, k, v, causal=True, sinks=sinks)
+    for exchange in ("ulysses", "gather"):
+        def split(q, k, v, sinks):
+            with splitting(SequenceSplit(mesh, mesh_lib.BATCH_AXES, exchange=exchange)):
+                return sequence_parallel.attention(q, k, v, causal=True, sinks=sinks)
+
+        np.testing.assert_allclose(jax.jit(split)(q, k, v, sinks), plain, atol=2e-6)
+        assert np.abs(jax.jit(split)(q, k, v, sinks[::-1]) - plain).max() > 1e-2  # heads' sinks swapped: caught
+
+
 def test_auto_takes_the_exchange_that_moves_fewer_bytes():
     split = SequenceSplit(MeshSpec(sequence=4).build(), mesh_lib.BATCH_AXES)
     sizes = dict(rows=32, head_dim=12, itemsize=4)

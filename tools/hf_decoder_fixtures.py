@@ -1,7 +1,8 @@
 """Build tiny random Hugging Face decoders and record what transformers computes with them.
 
 Writes one directory per model (Llama, Qwen3, Qwen3 with a sliding layer, Mistral, Qwen2, Mixtral,
-Qwen3-MoE) under tests/fixtures/hf/, read by tests/test_interop.py and tests/test_moe_families.py:
+Qwen3-MoE, GPT-OSS) under tests/fixtures/hf/, read by tests/test_interop.py, tests/test_moe_families.py
+and tests/test_gpt_oss.py:
 
     config.json, model.safetensors, generation_config.json   (save_pretrained, float32)
     reference.npz   input_ids [2, 12] and their logits [2, 12, vocab];
@@ -11,6 +12,12 @@ Qwen3-MoE) under tests/fixtures/hf/, read by tests/test_interop.py and tests/tes
 The weights are seeded and drawn wider than HF's N(0, 0.02) initializer (and the RMSNorm scales are
 moved off 1), so the logits depend clearly on every tensor: a transposed or swapped weight, or a
 wrong RoPE setting, changes them far beyond the test tolerance.
+
+GPT-OSS's expert kernels are drawn as MXFP4, the way the release stores them: random 4-bit codes
+and power-of-two block scales, decoded by transformers' own `convert_moe_packed_tensors` (exact in
+float32). gpt_oss/ holds them decoded; gpt_oss-mxfp4/ holds the same model with the expert
+kernels as ``*_blocks`` and ``*_scales`` and a ``quantization_config``, and transformers' logits
+from loading that directory (dequantize=True) are checked against gpt_oss's before it is kept.
 
 Run with the reference environment (torch CPU + transformers), not Dew's:
 
@@ -88,7 +95,24 @@ FIXTURES = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
         max_position_embeddings=64, rope_theta=1000000.0,
     )),
+    # gpt-oss-20b's structure: layers alternating between a sliding window (here 4 tokens, so the
+    # 12-token inputs cross it; 128 in the release) and full attention, sinks and q/k/v/o biases,
+    # 4 query heads per key/value head (64 and 8), top-4 of 8 experts (of 32) with router and
+    # expert biases and the clamped SwiGLU, an untied head, and the release's YaRN RoPE over a
+    # small original context so the scaling changes most frequencies. Widths are multiples of 32,
+    # MXFP4's block.
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        SIZES, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=4, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+        max_position_embeddings=512, rms_norm_eps=1e-5, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
+    )),
 }
+
+# MXFP4 expert kernels: the power-of-two exponents their block scales are drawn from, per kernel
+MXFP4_EXPONENTS = {"gate_up_proj": (-3, 0), "down_proj": (-5, -2)}
 
 WEIGHT_STD = 0.15  # wider than HF's 0.02 so the logits are far from uniform
 
@@ -102,6 +126,8 @@ def build(config_cls, model_cls, settings, seed):
         for name, tensor in model.named_parameters():
             if tensor.ndim == 1 and name.endswith("norm.weight"):
                 tensor.copy_(1.0 + 0.2 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith(".sinks"):  # sinks on the scale of the attention logits
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
             else:
                 tensor.copy_(WEIGHT_STD * torch.randn(tensor.shape, generator=generator))
     if config.tie_word_embeddings:
@@ -109,9 +135,64 @@ def build(config_cls, model_cls, settings, seed):
     return model
 
 
+def draw_mxfp4_experts(model, seed):
+    """Replace every expert kernel by the decoding of random MXFP4 codes; returns the packed
+    tensors by checkpoint name (``*_blocks [E, out, in / 32, 16]``, ``*_scales [E, out, in / 32]``)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(seed)
+    packed = {}
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            kernel = name.rsplit(".", 1)[-1]
+            if kernel not in MXFP4_EXPONENTS:
+                continue
+            experts, width_in, width_out = tensor.shape
+            blocks = torch.from_numpy(rng.integers(0, 256, (experts, width_out, width_in // 32, 16), dtype=np.uint8))
+            low, high = MXFP4_EXPONENTS[kernel]
+            scales = torch.from_numpy((127 + rng.integers(low, high + 1, blocks.shape[:-1])).astype(np.uint8))
+            tensor.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+    return packed
+
+
+def write_mxfp4_copy(directory, packed, logits, input_ids):
+    """``directory``-mxfp4: the checkpoint with its expert kernels packed, after checking that
+    transformers loads it (dequantizing) to the same logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    target = directory.with_name(directory.name + "-mxfp4")
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(directory, target)
+    (target / "reference.npz").unlink()
+    tensors = load_file(target / "model.safetensors")
+    for name in packed:
+        tensors.pop(name.removesuffix("_blocks").removesuffix("_scales"), None)
+    save_file({**tensors, **packed}, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    reloaded = transformers.GptOssForCausalLM.from_pretrained(
+        target, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32)
+    with torch.no_grad():
+        got = reloaded.eval()(torch.from_numpy(input_ids)).logits.float().numpy()
+    error = float(np.abs(got - logits).max())
+    if error > 1e-5:
+        shutil.rmtree(target)
+        raise SystemExit(f"transformers reads {target} to logits {error} away from the unpacked model's")
+    print(f"{target.name}: transformers' dequantized logits within {error:.1e} of {directory.name}'s")
+
+
 def record(name, seed):
     config_cls, model_cls, settings = FIXTURES[name]
     model = build(config_cls, model_cls, settings, seed)
+    packed = draw_mxfp4_experts(model, seed) if name == "gpt_oss" else {}
     directory = OUT / name
     shutil.rmtree(directory, ignore_errors=True)
     model.save_pretrained(directory, safe_serialization=True)
@@ -137,6 +218,8 @@ def record(name, seed):
     )
     size = sum(path.stat().st_size for path in directory.iterdir())
     print(f"{name}: {size / 1024:.0f} KiB, greedy {generated.tolist()}")
+    if packed:
+        write_mxfp4_copy(directory, packed, logits, input_ids)
 
 
 def main(names):

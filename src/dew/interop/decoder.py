@@ -31,7 +31,7 @@ from flax.core import meta
 from dew.data.tokenizers import HFTokenizer
 from dew.files import staged_directory
 from dew.hub import local_directory
-from dew.interop import adapted, families
+from dew.interop import adapted, codecs, families
 from dew.interop.families.llama import Weight
 from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
 from dew.nn.adapters import LoRADecoder
@@ -180,7 +180,7 @@ def _describe(config: Mapping[str, Any]) -> str:
 
 def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
                  config: Mapping[str, Any], param_dtype: Any) -> dict[str, Any]:
-    checkpoint = open_checkpoint(directory)
+    checkpoint = codecs.DecodedCheckpoint(open_checkpoint(directory), str(directory))  # MXFP4 pairs decoded
     layered = _layered(model)
     expected = _expected_params(layered)
     names = _weight_names(family, layered, expected)
@@ -313,6 +313,8 @@ class PretrainedDecoder(Pretrained):
       generation_config: generation_config.json as a dict, or None.
       source: the directory or Hub repository id it was loaded from (None when built in Dew);
         an adapter saved from it names this as its base.
+      packed_scales: the checkpoint's MXFP4 tensors (GPT-OSS's experts), by name, with the block
+        scales they were read with; `save` packs them again (`dew.interop.codecs`).
     """
 
     model: CausalTransformer
@@ -321,6 +323,7 @@ class PretrainedDecoder(Pretrained):
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     generation_config: Mapping[str, Any] | None = None
     source: str | None = None
+    packed_scales: Mapping[str, np.ndarray] | None = None
 
     # --- in -------------------------------------------------------------------------------------
 
@@ -362,13 +365,16 @@ class PretrainedDecoder(Pretrained):
         model = CausalTransformer(**kwargs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
                                   remat=remat, attention_impl=attention_impl)
         params = _read_params(path, family, model, config, param_dtype)
+        packed = codecs.DecodedCheckpoint(open_checkpoint(path), str(path))
+        packed_scales = {name: packed.scales(name) for name in packed.packed} or None
 
         tokenizer = None
         if (path / TOKENIZER_FILE).is_file():
             tokenizer = HFTokenizer(path)
             _check_tokenizer(tokenizer, model.vocab_size, f"in {path}")
         return cls(model=model, variables={"params": params}, tokenizer=tokenizer, config=config,
-                   generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=_source_name(directory))
+                   generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=_source_name(directory),
+                   packed_scales=packed_scales)
 
     @classmethod
     def from_model(
@@ -530,7 +536,8 @@ class PretrainedDecoder(Pretrained):
         """Write config.json, model.safetensors, generation_config.json and the tokenizer files.
 
         ``variables`` (default: the bundle's) are the weights to write, such as a trained
-        ``state.variables``. ``dtype`` casts floating tensors (default: as they are). A non-empty
+        ``state.variables``. ``dtype`` casts floating tensors (default: as they are); the tensors
+        the checkpoint held in MXFP4 are packed again (``packed_scales``). A non-empty
         ``directory`` is replaced only with ``overwrite=True``. The files are written into a
         temporary sibling directory renamed into place at the end, so a failure leaves nothing.
         """
@@ -547,6 +554,8 @@ class PretrainedDecoder(Pretrained):
             raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
         config = self.export_config()  # raises before anything is written
         tensors = self._hf_tensors(meta.unbox(variables["params"]), dtype, config)
+        if self.packed_scales:
+            tensors = codecs.pack_mxfp4_tensors(tensors, sorted(self.packed_scales), self.packed_scales)
         float_dtypes = {str(t.dtype) for t in tensors.values() if np.issubdtype(t.dtype, np.floating)
                         or t.dtype == jnp.bfloat16}
         if len(float_dtypes) == 1:

@@ -11,6 +11,10 @@ may see from four plain rules:
 * segment ids: a query sees only keys of its own document when several are packed in one row;
 * ``kv_lengths``: key slots at or past a row's length are empty (a KV cache not yet filled).
 
+``sinks`` (one learned logit per query head, GPT-OSS's attention sinks) adds a column to every
+query's scores that takes a share of the softmax but has no value: the weights over the real keys
+then sum to less than one, so a head can attend to nothing (Xiao et al. 2023, arXiv:2309.17453).
+
 The kernel is a separate choice (``impl``) and never changes the result beyond rounding, nor any
 parameter: "reference" is a float32 einsum and softmax written out below, "xla" and "cudnn" go
 through `jax.nn.dot_product_attention` ("xla" on a CPU through `head_major_attention`, the same
@@ -164,6 +168,25 @@ def attention_mask(
     return mask[:, None, :, :]
 
 
+def softmax_with_sinks(logits: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis with one extra logit per row (``sinks``, broadcast to
+    ``logits.shape[:-1]``) whose weight is dropped after: the attention weights of the keys alone.
+
+    Without sinks this is the plain softmax. With them it is transformers' GPT-OSS eager attention:
+    ``softmax(concat(logits, sink))[..., :-1]``.
+    """
+    if sinks is None:
+        return jax.nn.softmax(logits, axis=-1)
+    column = jnp.broadcast_to(sinks.astype(logits.dtype)[..., None], logits.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([logits, column], axis=-1), axis=-1)[..., :-1]
+
+
+def _check_sinks(sinks: jax.Array | None, heads: int) -> jax.Array | None:
+    if sinks is not None and tuple(jnp.shape(sinks)) != (heads,):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({heads},); got {jnp.shape(sinks)}")
+    return None if sinks is None else jnp.asarray(sinks)
+
+
 def reference_attention(
     q: jax.Array,
     k: jax.Array,
@@ -172,8 +195,10 @@ def reference_attention(
     *,
     scale: float,
     precision: Any = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """softmax(q k^T * scale, masked) v in float32, written out; the check for every kernel."""
+    """softmax(q k^T * scale, masked) v in float32, written out; the check for every kernel.
+    ``sinks [heads]``: each head's sink logit (see `softmax_with_sinks`)."""
     batch, q_len, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
@@ -187,7 +212,8 @@ def reference_attention(
         m = jnp.broadcast_to(mask, (mask.shape[0], heads) + mask.shape[2:])
         m = m.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])
         logits = jnp.where(m, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1)
+    head_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, groups, 1)
+    weights = softmax_with_sinks(logits, head_sinks)
     out = jnp.einsum("bkgts,bskh->btkgh", weights, v.astype(jnp.float32), precision=precision)
     return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
 
@@ -209,6 +235,7 @@ def dot_product_attention(
     scale: float | None = None,
     precision: Any = None,
     impl: str = "auto",
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of ``q [B, T, N, H]`` over ``k, v [B, S, K, H]``; returns ``[B, T, N, H]``.
 
@@ -216,7 +243,8 @@ def dot_product_attention(
     plain self-attention call (T == S) lines queries up with keys. ``segment_ids`` is the
     self-attention shorthand for equal ``q_segment_ids`` and ``kv_segment_ids``. ``mask`` is an
     extra boolean mask broadcastable to ``[B, N, T, S]``, combined with the rules above.
-    ``scale`` defaults to ``1 / sqrt(H)``.
+    ``scale`` defaults to ``1 / sqrt(H)``. ``sinks [N]``: each head's sink logit (no fused kernel
+    takes one, so a call with sinks runs "reference" or, otherwise, `head_major_attention`).
     """
     check_attention_impl(impl)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -230,6 +258,7 @@ def dot_product_attention(
         raise ValueError(f"k and v must be [{batch}, len, kv_heads, {head_dim}]; got {k.shape}, {v.shape}")
     if heads % kv_heads:
         raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kv_heads})")
+    sinks = _check_sinks(sinks, heads)
     if isinstance(window, numbers.Number):  # a host scalar; a traced window is checked by its use
         window = count(window, "window (the number of keys a query sees)")
     if segment_ids is not None:
@@ -247,7 +276,7 @@ def dot_product_attention(
     # cuDNN gets the mask as flags (causal, window, lengths) only for plain self-attention
     cudnn_mask_ok = (
         default_positions and q_len == kv_len and q_segment_ids is None and mask is None
-        and (window is None or isinstance(window, int)) and (causal or window is None)
+        and (window is None or isinstance(window, int)) and (causal or window is None) and sinks is None
     )
     kernel = resolve_attention_impl(
         impl, dtype=q.dtype, head_dim=head_dim, precision=precision, cudnn_mask_ok=cudnn_mask_ok
@@ -271,16 +300,16 @@ def dot_product_attention(
         if mask is not None:
             full_mask = full_mask & jnp.asarray(mask, bool)
     if kernel == "reference":
-        return reference_attention(q, k, v, full_mask, scale=scale, precision=precision)
-    if jax.devices()[0].platform == "cpu":
-        return head_major_attention(q, k, v, full_mask, scale=scale)
+        return reference_attention(q, k, v, full_mask, scale=scale, precision=precision, sinks=sinks)
+    if jax.devices()[0].platform == "cpu" or sinks is not None:
+        return head_major_attention(q, k, v, full_mask, scale=scale, sinks=sinks)
     return jax.nn.dot_product_attention(
         q, k, v, mask=full_mask, scale=scale, implementation=kernel
     )
 
 
 def head_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
-                         scale: float) -> jax.Array:
+                         scale: float, sinks: jax.Array | None = None) -> jax.Array:
     """The "xla" kernel on CPU: softmax(q k^T * scale, masked) v with the heads moved in front.
 
     XLA:CPU runs the two batched products fastest, forward and backward, on ``[B, heads, T, H]``
@@ -289,6 +318,7 @@ def head_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     short contexts of the training benchmarks (benchmarks/README.md). A key/value head's query
     heads are folded into the query length, so grouped-query attention needs no repeated keys.
     The scores and softmax are in the inputs' dtype, as in `jax.nn.dot_product_attention`.
+    ``sinks [heads]``: each head's sink logit (see `softmax_with_sinks`).
     """
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -301,7 +331,8 @@ def head_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
             mask = jnp.broadcast_to(mask, (mask.shape[0], heads) + mask.shape[2:])
             mask = mask.reshape(mask.shape[0], kv_heads, groups * q_len, kv_len)
         logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits, axis=-1)
+    row_sinks = None if sinks is None else jnp.repeat(sinks.reshape(kv_heads, groups), q_len, axis=1)
+    weights = softmax_with_sinks(logits, row_sinks)  # [K, G * T] sinks, one per query row
     out = jnp.einsum("bkts,bksh->bkth", weights, v.transpose(0, 2, 1, 3))
     out = out.reshape(batch, kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, heads, head_dim)
@@ -318,6 +349,7 @@ def cache_attention(
     window: int | jax.Array | None = None,
     scale: float | None = None,
     precision: Any = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of ``q [B, T, N, H]`` over one layer of a `KVCache`; returns ``[B, T, N, H]``.
 
@@ -327,7 +359,8 @@ def cache_attention(
     `dot_product_attention` decide what a query sees (causal, window), by position rather than by
     slot. Both products read the cache where it lies, and scores and softmax are accumulated in
     float32 (or wider): the reference computation in the cache's layout, used whatever kernel the
-    model names, since no fused kernel decodes from this layout.
+    model names, since no fused kernel decodes from this layout. ``sinks [N]``: each head's sink
+    logit (see `softmax_with_sinks`).
     """
     batch, q_len, heads, head_dim = q.shape
     rows, slots = v_cache.shape[0], v_cache.shape[1]
@@ -340,6 +373,7 @@ def cache_attention(
     if heads % kv_heads:
         raise ValueError(f"num_heads ({heads}) must be a multiple of the cache's kv_heads ({kv_heads})")
     groups = heads // kv_heads
+    sinks = _check_sinks(sinks, heads)
     scale = float(1.0 / np.sqrt(head_dim)) if scale is None else float(scale)
     accumulate = jnp.promote_types(q.dtype, jnp.float32)
 
@@ -353,7 +387,11 @@ def cache_attention(
     mask = mask & (jnp.atleast_2d(kv_positions) >= 0)[:, None, None, :]
     mask = jnp.broadcast_to(mask[:, None], (batch, kv_heads, groups, q_len, slots))
     logits = jnp.where(mask.reshape(rows, groups * q_len, slots), logits, jnp.finfo(accumulate).min)
-    weights = jax.nn.softmax(logits, axis=-1)
+    row_sinks = None
+    if sinks is not None:  # [N] -> [B * K, G * T], one per cache row's query row
+        row_sinks = jnp.repeat(sinks.astype(accumulate).reshape(kv_heads, groups), q_len, axis=1)
+        row_sinks = jnp.tile(row_sinks, (batch, 1))
+    weights = softmax_with_sinks(logits, row_sinks)
     out = jnp.einsum(
         "nqs,nsh->nqh", weights.astype(v_cache.dtype), v_cache, precision=precision,
         preferred_element_type=accumulate,

@@ -1,10 +1,17 @@
 """A mixture-of-experts feed-forward layer: a router, SwiGLU experts, an optional shared expert.
 
-    probs   = softmax(x @ gate)                           router scores over E experts, float32
+    probs   = softmax(x @ gate + gate_bias)               router scores over E experts, float32
     w, e    = top_k(probs)                                each row's k experts and their scores
     w       = w / sum(w)   (normalize_top_k)              Mixtral always, Qwen3-MoE by norm_topk_prob
     y       = routed_scale * sum_j w_j * expert_{e_j}(x)  expert(x) = down(silu(gate(x)) * up(x))
     y      += sigmoid(x @ shared_expert_gate) * shared_expert(x)     (Qwen's shared expert)
+
+GPT-OSS's experts differ in three ways, each a setting: a bias on the router (``router_bias``) and
+on every expert projection (``expert_bias``); the clamped SwiGLU (``activation="clamped_swiglu"``),
+``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``; and the
+gate and up kernels fused into one ``gate_up_proj`` whose columns alternate gate, up, gate, up
+(``gate_up="interleaved"``). Its router takes the softmax of the k largest logits, which is the
+renormalized top-k of the full softmax (``normalize_top_k=True``).
 
 ``dispatch="global"`` sorts the ``rows * k`` (row, expert) assignments by expert and runs each
 projection as one grouped matrix product over the sorted rows, so no assignment is dropped and no
@@ -25,9 +32,10 @@ tokens each expert received. Applied without it (generation), nothing is recorde
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -42,10 +50,16 @@ SCORES = ("softmax",)  # the hook for DeepSeek's "sigmoid" scores (and its group
 DISPATCHES = ("global",)
 GROUPED_PRODUCTS = ("auto", "ragged_dot", "blocks")
 MAX_BLOCK = 64  # rows per block of the blocked grouped product
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+GATE_UP_LAYOUTS = ("separate", "interleaved")
 
 
 def _init(axes, std=INIT_STD):
     return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+def _zeros(axes):
+    return nn.with_logical_partitioning(nn.initializers.zeros, axes)
 
 
 class Mixture(nn.Module):
@@ -61,6 +75,12 @@ class Mixture(nn.Module):
       routed_scale: a factor on the routed experts' sum (DeepSeek's routed_scaling_factor).
       shared_expert_features: hidden width of an expert every row goes through (None: none).
       shared_expert_gate: scale the shared expert by ``sigmoid(x @ shared_expert_gate)`` (Qwen).
+      router_bias: a bias on the router's logits (GPT-OSS).
+      expert_bias: biases on each expert's gate, up and down projections (GPT-OSS).
+      activation: "swiglu" (``silu(gate) * up``) or GPT-OSS's "clamped_swiglu" (`clamped_swiglu`
+        with ``swiglu_alpha`` and ``swiglu_limit``).
+      gate_up: the routed experts' parameters: "separate" gate_proj and up_proj kernels, or
+        "interleaved", one gate_up_proj whose even columns are the gate and odd ones the up (GPT-OSS).
       dispatch: how rows reach their experts ("global").
       grouped: the grouped matrix product of the global dispatch ("auto", "ragged_dot", "blocks");
         it never changes the result or the parameters.
@@ -75,6 +95,12 @@ class Mixture(nn.Module):
     routed_scale: float = 1.0
     shared_expert_features: int | None = None
     shared_expert_gate: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    gate_up: str = "separate"
     dispatch: str = "global"
     grouped: str = "auto"
     dtype: Any = jnp.float32
@@ -96,6 +122,12 @@ class Mixture(nn.Module):
             raise ValueError(
                 f"Mixture.dispatch={self.dispatch!r} is not implemented; supported dispatches: {DISPATCHES}"
             )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"Mixture.activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if self.gate_up not in GATE_UP_LAYOUTS:
+            raise ValueError(f"Mixture.gate_up={self.gate_up!r} is not one of {GATE_UP_LAYOUTS}")
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"Mixture.swiglu_limit must be positive, got {self.swiglu_limit!r}")
         if self.grouped not in GROUPED_PRODUCTS:
             raise ValueError(f"Mixture.grouped={self.grouped!r} is not one of {GROUPED_PRODUCTS}")
         if self.shared_expert_gate and self.shared_expert_features is None:
@@ -109,7 +141,11 @@ class Mixture(nn.Module):
     def route(self, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Router logits ``[N, E]`` (float32), and each row's k scores and expert ids ``[N, k]``."""
         gate = self.param("gate", _init(("embed", None)), (rows.shape[-1], self.num_experts), self.param_dtype)
-        logits = (rows @ gate.astype(self.dtype)).astype(jnp.float32)
+        logits = rows @ gate.astype(self.dtype)
+        if self.router_bias:
+            bias = self.param("gate_bias", _zeros((None,)), (self.num_experts,), self.param_dtype)
+            logits = logits + bias.astype(self.dtype)
+        logits = logits.astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.normalize_top_k:
@@ -140,16 +176,23 @@ class Mixture(nn.Module):
         if grouped == "auto":
             grouped = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
         product = ragged_experts if grouped == "ragged_dot" else blocked_experts
-        out = product(rows[source], flat[order], group_sizes, kernels)
+        out = product(rows[source], flat[order], group_sizes, kernels, self._activation())
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         return jnp.zeros_like(rows).at[source].add(out)
+
+    def _activation(self):
+        """The experts' ``activation(gate, up)``."""
+        if self.activation == "clamped_swiglu":
+            return functools.partial(clamped_swiglu, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+        return swiglu
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).astype(self.dtype)
         _, weights, experts = self.route(rows)
-        kernels = Experts(self.num_experts, self.expert_features, self.num_layers, dtype=self.dtype,
+        kernels = Experts(self.num_experts, self.expert_features, self.num_layers, use_bias=self.expert_bias,
+                          interleaved=self.gate_up == "interleaved", dtype=self.dtype,
                           param_dtype=self.param_dtype, name="experts")(shape[-1])
         out = getattr(self, f"_dispatch_{self.dispatch}")(rows, weights, experts, kernels)
         if self.shared_expert_features is not None:
@@ -163,11 +206,41 @@ class Mixture(nn.Module):
         return out.reshape(shape)
 
 
-def ragged_experts(rows, row_experts, group_sizes, kernels):
-    """SwiGLU experts over rows sorted by expert, each projection one `jax.lax.ragged_dot`."""
-    gate, up, down = kernels
-    hidden = nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
-    return jax.lax.ragged_dot(hidden, down, group_sizes)
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU (Shazeer 2020, arXiv:2002.05202): ``silu(gate) * up``."""
+    return nn.silu(gate) * up
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float = 1.702, limit: float = 7.0) -> jax.Array:
+    """GPT-OSS's SwiGLU: the gate clamped above and the up clamped both sides at ``limit``, a
+    sigmoid of gain ``alpha`` on the gate, and the up shifted by one, as transformers' GptOssExperts."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+class ExpertWeights(NamedTuple):
+    """The routed experts' stacked kernels (gate and up ``[E, width, F]``, down ``[E, F, width]``)
+    and, with ``expert_bias``, their biases (``[E, F]``, ``[E, F]``, ``[E, width]``)."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+def ragged_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
+    """Experts over rows sorted by expert, each projection one `jax.lax.ragged_dot` (plus the
+    row's expert's bias, when the experts have biases)."""
+
+    def project(x, kernel, bias):
+        y = jax.lax.ragged_dot(x, kernel, group_sizes)
+        return y if bias is None else y + bias[row_experts]
+
+    hidden = activation(project(rows, kernels.gate, kernels.gate_bias), project(rows, kernels.up, kernels.up_bias))
+    return project(hidden, kernels.down, kernels.down_bias)
 
 
 def block_rows(assignments: int, num_experts: int) -> int:
@@ -179,17 +252,16 @@ def block_rows(assignments: int, num_experts: int) -> int:
     return min(by_padding, by_groups, MAX_BLOCK)
 
 
-def blocked_experts(rows, row_experts, group_sizes, kernels):
-    """SwiGLU experts over rows sorted by expert, as batched products over blocks of rows.
+def blocked_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
+    """Experts over rows sorted by expert, as batched products over blocks of rows.
 
     Each expert's rows are padded to whole blocks of `block_rows` rows (zero rows, whose outputs
     are zero and are dropped), every block is multiplied by its expert's kernels, and the rows are
     read back from their slots. The number of blocks is the most any routing can need,
     ``ceil((assignments + E * (block - 1)) / block)``, so shapes stay static.
     """
-    gate, up, down = kernels
     assignments, width = rows.shape
-    num_experts = gate.shape[0]
+    num_experts = kernels.gate.shape[0]
     block = block_rows(assignments, num_experts)
     num_blocks = -(-(assignments + num_experts * (block - 1)) // block)
     padded_sizes = -(-group_sizes // block) * block
@@ -200,29 +272,57 @@ def blocked_experts(rows, row_experts, group_sizes, kernels):
         jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), num_experts - 1)
     blocks = jnp.zeros((num_blocks * block, width), rows.dtype).at[slots].set(rows)
     blocks = blocks.reshape(num_blocks, block, width)
-    project = lambda x, kernel: jnp.einsum("bnd,bdf->bnf", x, kernel[block_experts])  # noqa: E731
-    hidden = nn.silu(project(blocks, gate)) * project(blocks, up)
-    return project(hidden, down).reshape(num_blocks * block, width)[slots]
+
+    def project(x, kernel, bias):
+        y = jnp.einsum("bnd,bdf->bnf", x, kernel[block_experts])
+        return y if bias is None else y + bias[block_experts][:, None, :]
+
+    hidden = activation(project(blocks, kernels.gate, kernels.gate_bias), project(blocks, kernels.up, kernels.up_bias))
+    return project(hidden, kernels.down, kernels.down_bias).reshape(num_blocks * block, width)[slots]
 
 
 class Experts(nn.Module):
-    """The routed experts' stacked kernels: gate and up ``[E, width, F]``, down ``[E, F, width]``."""
+    """The routed experts' stacked kernels: gate and up ``[E, width, F]``, down ``[E, F, width]``.
+
+    ``interleaved`` stores gate and up as one ``gate_up_proj [E, width, 2F]``, gate in the even
+    columns and up in the odd ones (GPT-OSS's layout); ``use_bias`` adds a bias per projection
+    (``gate_up_proj_bias [E, 2F]`` interleaved alike, or ``gate_proj_bias`` and ``up_proj_bias``;
+    ``down_proj_bias [E, width]``), zero at initialization.
+    """
 
     num_experts: int
     features: int
     num_layers: int = 1
+    use_bias: bool = False
+    interleaved: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        shape_in = (self.num_experts, width, self.features)
-        shape_out = (self.num_experts, self.features, width)
+    def __call__(self, width: int) -> ExpertWeights:
+        experts, features = self.num_experts, self.features
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
-        gate = self.param("gate_proj", _init(("expert", "embed", "mlp")), shape_in, self.param_dtype)
-        up = self.param("up_proj", _init(("expert", "embed", "mlp")), shape_in, self.param_dtype)
-        down = self.param("down_proj", _init(("expert", "mlp", "embed"), out_std), shape_out, self.param_dtype)
-        return gate.astype(self.dtype), up.astype(self.dtype), down.astype(self.dtype)
+
+        def param(name, init, shape):
+            return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+
+        gate_bias = up_bias = down_bias = None
+        if self.interleaved:
+            gate_up = param("gate_up_proj", _init(("expert", "embed", "mlp")), (experts, width, 2 * features))
+            gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+            if self.use_bias:
+                gate_up_bias = param("gate_up_proj_bias", _zeros(("expert", "mlp")), (experts, 2 * features))
+                gate_bias, up_bias = gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]
+        else:
+            gate = param("gate_proj", _init(("expert", "embed", "mlp")), (experts, width, features))
+            up = param("up_proj", _init(("expert", "embed", "mlp")), (experts, width, features))
+            if self.use_bias:
+                gate_bias = param("gate_proj_bias", _zeros(("expert", "mlp")), (experts, features))
+                up_bias = param("up_proj_bias", _zeros(("expert", "mlp")), (experts, features))
+        down = param("down_proj", _init(("expert", "mlp", "embed"), out_std), (experts, features, width))
+        if self.use_bias:
+            down_bias = param("down_proj_bias", _zeros(("expert", "embed")), (experts, width))
+        return ExpertWeights(gate, up, down, gate_bias, up_bias, down_bias)
 
 
 class SharedExpert(nn.Module):

@@ -204,7 +204,7 @@ def choose_exchange(split: SequenceSplit, *, rows: int, heads: int, kv_heads: in
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               window: int | jax.Array | None = None, segment_ids: jax.Array | None = None,
-              impl: str = "auto") -> jax.Array:
+              impl: str = "auto", sinks: jax.Array | None = None) -> jax.Array:
     """Self-attention of ``q [B, L, N, H]`` over ``k, v [B, L, K, H]``, split along L when a split is active.
 
     The result equals `dot_product_attention` with the same rules; without an active split it is
@@ -212,7 +212,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     """
     split = active()
     if split is None:
-        return dot_product_attention(q, k, v, causal=causal, window=window, segment_ids=segment_ids, impl=impl)
+        return dot_product_attention(q, k, v, causal=causal, window=window, segment_ids=segment_ids, impl=impl,
+                                     sinks=sinks)
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     split.check_length(length)
@@ -227,19 +228,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     layer_window = None if window is None or isinstance(window, int) else window  # traced: an operand
     body = _ulysses if exchange == "ulysses" else _gather
 
-    def local_attention(q, k, v, segments, layer_window):
+    def local_attention(q, k, v, segments, layer_window, sinks):
         return body(q, k, v, segments, axis=split.axis, size=split.size, causal=causal, impl=impl,
-                    window=window if layer_window is None else layer_window)
+                    window=window if layer_window is None else layer_window, sinks=sinks)
 
     return jax.shard_map(
         local_attention,
         mesh=split.mesh,
-        in_specs=(tokens, tokens, tokens, PartitionSpec(rows_axes, split.axis), PartitionSpec()),
+        in_specs=(tokens, tokens, tokens, PartitionSpec(rows_axes, split.axis), PartitionSpec(),
+                  PartitionSpec(heads_axis)),
         out_specs=tokens,
-    )(q, k, v, segments, layer_window)
+    )(q, k, v, segments, layer_window, sinks)
 
 
-def _ulysses(q, k, v, segments, *, axis, size, causal, window, impl):
+def _ulysses(q, k, v, segments, *, axis, size, causal, window, impl, sinks):
     """All rows of 1/size of the heads per device: trade rows for heads, attend, trade back."""
     kv_heads = k.shape[2]
     repeat = math.lcm(kv_heads, size) // kv_heads
@@ -249,11 +251,13 @@ def _ulysses(q, k, v, segments, *, axis, size, causal, window, impl):
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     if segments is not None:
         segments = jax.lax.all_gather(segments, axis, axis=1, tiled=True)
-    out = dot_product_attention(q, k, v, causal=causal, window=window, segment_ids=segments, impl=impl)
+    if sinks is not None:  # this device's query heads: its slice of the exchange
+        sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(axis) * q.shape[2], q.shape[2])
+    out = dot_product_attention(q, k, v, causal=causal, window=window, segment_ids=segments, impl=impl, sinks=sinks)
     return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def _gather(q, k, v, segments, *, axis, size, causal, window, impl):
+def _gather(q, k, v, segments, *, axis, size, causal, window, impl, sinks):
     """Every key and value per device, attended by this device's queries at their global positions."""
     local_length = q.shape[1]
     k = jax.lax.all_gather(k, axis, axis=1, tiled=True)
@@ -263,5 +267,5 @@ def _gather(q, k, v, segments, *, axis, size, causal, window, impl):
     return dot_product_attention(
         q, k, v, causal=causal, window=window, q_segment_ids=segments, kv_segment_ids=kv_segments,
         q_positions=first + jnp.arange(local_length, dtype=jnp.int32),
-        kv_positions=jnp.arange(k.shape[1], dtype=jnp.int32), impl=impl,
+        kv_positions=jnp.arange(k.shape[1], dtype=jnp.int32), impl=impl, sinks=sinks,
     )

@@ -205,6 +205,13 @@ def check_common(model: Any, family: str, *, mixture: bool = False, qkv_bias: bo
         )
     if not model.causal:
         raise ValueError(f"causal=False cannot be exported as {family}: transformers' decoders are causal")
+    experts = {name: value for name, value in dict(model.mixture or {}).items()
+               if name in ("router_bias", "expert_bias", "activation", "gate_up")
+               and value not in (False, "swiglu", "separate")}
+    if experts and family != "gpt_oss":
+        raise ValueError(f"mixture settings {experts} cannot be exported as {family}; GPT-OSS's experts export as gpt_oss")
+    if model.attention_sinks and family != "gpt_oss":
+        raise ValueError(f"attention_sinks=True cannot be exported as {family}, whose attention has no sinks; it exports as gpt_oss")
     thetas = {kind.rope_theta for kind in model.layer_plan if kind.rope_theta is not None}
     if thetas - {model.rope_theta}:
         raise ValueError(

@@ -3,7 +3,8 @@
 token embedding -> num_layers x DecoderBlock -> RMSNorm -> lm head (tied to the embedding or not)
 
 DecoderBlock (pre-norm, as in Llama):
-    x = x + self_attn(input_layernorm(x))          GQA attention with RoPE (and Qwen3's q/k norm)
+    x = x + self_attn(input_layernorm(x))          GQA attention with RoPE (and Qwen3's q/k norm,
+                                                   GPT-OSS's attention sinks)
     x = x + mlp(post_attention_layernorm(x))       SwiGLU: down(silu(gate(x)) * up(x)), or a
                                                    mixture of SwiGLU experts (dew.nn.moe.Mixture)
 
@@ -116,7 +117,11 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm, and a KV cache."""
+    """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm, and a KV cache.
+
+    ``sinks``: a learned logit per query head (param ``sinks [heads]``) that joins each query's
+    softmax and is dropped after, as GPT-OSS's attention does (`dew.nn.attention.softmax_with_sinks`).
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -129,6 +134,7 @@ class SelfAttention(nn.Module):
     qk_norm: bool = True
     use_bias: bool = False
     qkv_bias: bool = False
+    sinks: bool = False
     norm_eps: float = 1e-6
     causal: bool = True
     attention_impl: str = "auto"
@@ -171,10 +177,14 @@ class SelfAttention(nn.Module):
         cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+        sinks = None
+        if self.sinks:
+            sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), ("heads",)),
+                               (heads,), self.param_dtype)
         window = self.window if window is None else window
         attend = dict(causal=self.causal, window=window, impl=self.attention_impl)
         if layer_cache is None:
-            out = sequence_attention(q, k, v, segment_ids=segment_ids, **attend)  # split by the step's mesh
+            out = sequence_attention(q, k, v, segment_ids=segment_ids, sinks=sinks, **attend)  # split by the step's mesh
             new_cache = None
         else:
             # write this call's keys and values to the shared slots from `index`, then attend over
@@ -184,7 +194,7 @@ class SelfAttention(nn.Module):
             cache_k, cache_v = write_kv(cache_k, cache_v, k, v, index)
             out = cache_attention(
                 q, cache_k, cache_v, q_positions=positions, kv_positions=kv_positions,
-                causal=self.causal, window=window,
+                causal=self.causal, window=window, sinks=sinks,
             )
             new_cache = (cache_k, cache_v)
 
@@ -266,6 +276,7 @@ class DecoderBlock(nn.Module):
     qk_norm: bool = True
     attention_bias: bool = False
     qkv_bias: bool = False
+    attention_sinks: bool = False
     mlp_bias: bool = False
     mixture: Mapping[str, Any] | None = None  # this layer's Mixture settings; None: a dense MLP
     causal: bool = True
@@ -280,7 +291,8 @@ class DecoderBlock(nn.Module):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             num_layers=self.num_layers, window=self.window, rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len, qk_norm=self.qk_norm,
-            use_bias=self.attention_bias, qkv_bias=self.qkv_bias, norm_eps=self.norm_eps, causal=self.causal,
+            use_bias=self.attention_bias, qkv_bias=self.qkv_bias, sinks=self.attention_sinks,
+            norm_eps=self.norm_eps, causal=self.causal,
             attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
             name="self_attn",
         )
@@ -314,6 +326,7 @@ class CausalTransformer(nn.Module):
       rope_scaling: an HF ``rope_scaling`` dict (types "linear", "llama3", "yarn") or None.
       qk_norm: Qwen3's RMSNorm on each query/key head before RoPE.
       attention_bias: biases on q, k, v and o (Llama's attention_bias); qkv_bias: on q, k, v only (Qwen2).
+      attention_sinks: a learned sink logit per query head in every layer's softmax (GPT-OSS).
       layer_types, kinds: per-layer attention pattern (see layer_plan.py).
       mixture: `dew.nn.moe.Mixture` settings (``{"num_experts": 8, "top_k": 2, "expert_features":
         ...}``) for the mixture layers, or None for a dense model.
@@ -342,6 +355,7 @@ class CausalTransformer(nn.Module):
     tie_embeddings: bool = True
     attention_bias: bool = False
     qkv_bias: bool = False
+    attention_sinks: bool = False
     mlp_bias: bool = False
     causal: bool = True
     layer_types: Sequence[str] | None = None
@@ -481,7 +495,7 @@ class CausalTransformer(nn.Module):
             mlp_features=self.hidden_features, num_layers=self.num_layers, rope_scaling=self.rope_scaling,
             max_seq_len=self.max_seq_len, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
             attention_bias=self.attention_bias, qkv_bias=self.qkv_bias, mlp_bias=self.mlp_bias,
-            causal=self.causal, attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
+            attention_sinks=self.attention_sinks, causal=self.causal, attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
         )
         mlp_plan = self.mlp_plan
         block_cls = self.block_class
