@@ -39,6 +39,8 @@ SIZES = dict(
     bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
 
+DEEPSEEK_SIZES = {k: v for k, v in SIZES.items() if k != "head_dim"}  # its head widths are its own
+
 FIXTURES = {
     # Llama 3.1 style: an untied head and "llama3" RoPE scaling with a small original context,
     # so the scaling changes most of the head's frequencies.
@@ -88,6 +90,32 @@ FIXTURES = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
         max_position_embeddings=64, rope_theta=1000000.0,
     )),
+    # DeepSeek-V3's structure (the architecture Kimi K2 ships): multi-head latent attention with a
+    # low-rank query (q_lora_rank) and a compressed key/value latent plus one shared rope key, heads
+    # split into unrotated and rotated parts with a value width of its own, YaRN RoPE (whose mscale
+    # also scales the softmax), the first layer dense (first_k_dense_replace), then mixtures routed by
+    # sigmoid scores with a balancing bias, the best 2 of 4 groups, top-3 of 8 renormalized and scaled
+    # by 2.5, and a shared expert.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK_SIZES, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, tie_word_embeddings=False, max_position_embeddings=64, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+    )),
+    # DeepSeek-V3's attention without the query's low rank (q_lora_rank=None, as DeepSeek-V2-Lite),
+    # plain RoPE without interleaving, and every layer a mixture with one group.
+    "deepseek_v3-full-q": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK_SIZES, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=1.0, norm_topk_prob=False,
+        first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, tie_word_embeddings=False, max_position_embeddings=64, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )),
 }
 
 WEIGHT_STD = 0.15  # wider than HF's 0.02 so the logits are far from uniform
@@ -104,6 +132,9 @@ def build(config_cls, model_cls, settings, seed):
                 tensor.copy_(1.0 + 0.2 * torch.randn(tensor.shape, generator=generator))
             else:
                 tensor.copy_(WEIGHT_STD * torch.randn(tensor.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's balancing bias: moved off zero
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
@@ -129,7 +160,9 @@ def record(name, seed):
     extra = {}
     if getattr(model.config, "num_experts_per_tok", None):  # a mixture: its load-balancing loss too
         with torch.no_grad():
-            extra["aux_loss"] = model(torch.from_numpy(input_ids), output_router_logits=True).aux_loss.numpy()
+            aux_loss = model(torch.from_numpy(input_ids), output_router_logits=True).aux_loss
+        if aux_loss is not None:  # DeepSeek-V3 balances by its bias and reports none
+            extra["aux_loss"] = aux_loss.numpy()
     np.savez_compressed(
         directory / "reference.npz",
         input_ids=input_ids.astype(np.int32), logits=logits.astype(np.float32),

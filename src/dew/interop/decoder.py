@@ -189,6 +189,8 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
     def ignorable(name: str) -> bool:
         if name.endswith(family.IGNORED_SUFFIXES):
             return True
+        if hasattr(family, "ignored") and family.ignored(name, config):  # e.g. layers beyond the model
+            return True
         # a tied head: transformers ignores a stored lm_head.weight and uses the embedding
         return name == "lm_head.weight" and model.tie_embeddings
 
