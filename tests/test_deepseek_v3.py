@@ -264,3 +264,134 @@ def test_transformers_reads_a_trained_export_with_the_same_logits(tmp_path, load
     want = logits(bundle.model, moved, ids)
     np.testing.assert_allclose(np.asarray(result["logits"]), want, atol=TOLERANCE, rtol=0)
     assert far(want, logits(bundle.model, bundle.variables, ids))
+
+
+# --- FP8 block weights -----------------------------------------------------------------------------
+
+FP8_NAME = "deepseek_v3-fp8"
+FP8_BLOCK = (4, 8)
+
+
+def test_fp8_block_weights_read_as_transformers_dequantizes_them():
+    from dew.interop import fp8_blocks
+
+    ref = reference(FP8_NAME)
+    checkpoint = SafetensorsFile(FIXTURES / FP8_NAME / "model.safetensors")
+    names = [key.split("/", 1)[1] for key in ref.files if key.startswith("dequantized/")]
+    assert len(names) == 72  # every projection of the layers but the router
+    for name in names:
+        got = fp8_blocks.dequantize(checkpoint[name], checkpoint[name + "_scale_inv"], FP8_BLOCK, name)
+        np.testing.assert_array_equal(got, ref[f"dequantized/{name}"])  # exact in float32
+    bundle = PretrainedDecoder.load(FIXTURES / FP8_NAME)
+    params = nn.unbox(bundle.variables)["params"]
+    np.testing.assert_array_equal(np.asarray(params["layers_1"]["self_attn"]["kv_b_proj"]["kernel"]).T,
+                                  ref["dequantized/model.layers.1.self_attn.kv_b_proj.weight"])
+    np.testing.assert_array_equal(np.asarray(params["layers_2"]["mlp"]["experts"]["down_proj"][5]).T,
+                                  ref["dequantized/model.layers.2.mlp.experts.5.down_proj.weight"])
+    np.testing.assert_allclose(logits(bundle.model, bundle.variables, ref["input_ids"]), ref["logits"],
+                               atol=TOLERANCE, rtol=0)
+    result = bundle.text_generation()(ref["prompt"], ref["greedy"].shape[1], key=jax.random.key(0)).host()
+    np.testing.assert_array_equal(result.tokens, ref["greedy"])
+    # negative control: the unquantized weights' logits are far from the quantized ones'
+    assert far(ref["logits"], reference("deepseek_v3")["logits"])
+    # and the scales spread over the wrong axis do not give transformers' values
+    name = "model.layers.0.self_attn.o_proj.weight"
+    wrong = fp8_blocks.dequantize(checkpoint[name], checkpoint[name + "_scale_inv"].T.reshape(8, 4), FP8_BLOCK)
+    assert not np.array_equal(wrong, ref[f"dequantized/{name}"])
+
+
+def test_fp8_block_weights_save_back_unchanged_and_trained_ones_requantize(tmp_path):
+    from dew.interop import fp8_blocks
+
+    bundle = PretrainedDecoder.load(FIXTURES / FP8_NAME)
+    out = bundle.save(tmp_path / "export")
+    original = SafetensorsFile(FIXTURES / FP8_NAME / "model.safetensors")
+    exported = SafetensorsFile(out / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for name in original:
+        assert exported[name].dtype == original[name].dtype, name
+        assert np.asarray(exported[name]).tobytes() == np.asarray(original[name]).tobytes(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == list(FP8_BLOCK)
+
+    params = params_of(bundle)  # a "trained" weight: one block grows past its scale's range
+    kernel = params["layers_0"]["self_attn"]["o_proj"]["kernel"]
+    # Dew's kernel is [in, out]: its [:8, :4] is the checkpoint's first 4 x 8 block; the next block shrinks
+    params["layers_0"]["self_attn"]["o_proj"]["kernel"] = kernel.at[:8, :4].multiply(3.0).at[:8, 4:8].multiply(0.5)
+    out = bundle.save(tmp_path / "trained", variables={"params": params})
+    again = PretrainedDecoder.load(out)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    written = SafetensorsFile(out / "model.safetensors")
+    assert written[name].dtype == fp8_blocks.FP8
+    moved = np.asarray(params["layers_0"]["self_attn"]["o_proj"]["kernel"]).T
+    read = np.asarray(nn.unbox(again.variables)["params"]["layers_0"]["self_attn"]["o_proj"]["kernel"]).T
+    assert np.abs(read - moved).max() <= np.abs(moved).max() / 16  # within e4m3's precision
+    scales = np.asarray(written[name + "_scale_inv"])
+    assert scales[0, 0] != original[name + "_scale_inv"][0, 0]  # the grown block got a fresh scale
+    kept = np.ones(scales.shape, bool)
+    kept[0, 0] = False
+    np.testing.assert_array_equal(scales[kept], original[name + "_scale_inv"][kept])  # the others kept theirs
+    assert np.asarray(written[name])[4:8, :8].tobytes() != original[name][4:8, :8].tobytes()  # shrunk values
+
+
+def test_fp8_blocks_cut_short_by_the_weight_use_their_scale_for_the_elements_they_have():
+    from dew.interop import fp8_blocks
+
+    weight = np.random.default_rng(0).normal(size=(5, 11)).astype(np.float32)
+    values, scale = fp8_blocks.quantize(weight, (4, 8))
+    assert values.shape == (5, 11) and scale.shape == (2, 2)
+    expected = np.empty_like(weight)
+    for r in range(5):
+        for c in range(11):
+            expected[r, c] = np.float32(values[r, c].astype(np.float32) * scale[r // 4, c // 8])
+    np.testing.assert_array_equal(fp8_blocks.dequantize(values, scale, (4, 8)), expected)
+    assert np.abs(expected - weight).max() <= np.abs(weight).max() / 16
+    again, same = fp8_blocks.quantize(expected, (4, 8), scale)
+    assert again.tobytes() == values.tobytes() and same.tobytes() == scale.tobytes()
+
+
+def test_fp8_checkpoints_dew_cannot_read_are_named(tmp_path):
+    from dew.interop.safetensors_io import save_file
+
+    directory = tmp_path / "fp8"
+    shutil.copytree(FIXTURES / FP8_NAME, directory)
+    config = json.loads((directory / "config.json").read_text())
+    quantization = config["quantization_config"]
+    for change, message in ((dict(quant_method="awq"), "quant_method='awq'"), (dict(fmt="e5m2"), "fmt='e5m2'"),
+                            (dict(activation_scheme="static"), "activation_scheme='static'")):
+        (directory / "config.json").write_text(json.dumps({**config, "quantization_config": {**quantization, **change}}))
+        with pytest.raises(ValueError, match=message):
+            PretrainedDecoder.load(directory)
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    with pytest.raises(ValueError, match="no quantization_config"):
+        PretrainedDecoder.load(directory)
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = {name: np.array(value) for name, value in SafetensorsFile(directory / "model.safetensors").items()}
+    del tensors["model.layers.1.self_attn.q_b_proj.weight_scale_inv"]
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ValueError, match="q_b_proj.weight_scale_inv'?, its block scales, is missing"):
+        PretrainedDecoder.load(directory)
+
+
+@pytest.mark.reference
+def test_transformers_reads_dews_fp8_export_with_the_same_logits(tmp_path):
+    if not REF_PYTHON.exists():
+        pytest.skip(f"{REF_PYTHON} is missing; create it as tools/hf_decoder_fixtures.py describes")
+    bundle = PretrainedDecoder.load(FIXTURES / FP8_NAME)
+    rng = np.random.default_rng(1)
+    moved = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32)),
+        nn.unbox(bundle.variables))
+    out = bundle.save(tmp_path / "export", variables=moved)
+    again = PretrainedDecoder.load(out)  # what was written: the moved weights in FP8 blocks
+    ids = (np.arange(20).reshape(2, 10) * 37 % 128).astype(np.int32)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run(
+        [str(REF_PYTHON), str(ROOT / "tools/hf_check_export.py"), str(out), "--ids", json.dumps(ids.tolist())],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    want = logits(again.model, again.variables, ids)
+    np.testing.assert_allclose(np.asarray(result["logits"]), want, atol=TOLERANCE, rtol=0)
+    assert far(want, logits(bundle.model, bundle.variables, ids))
