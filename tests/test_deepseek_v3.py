@@ -132,6 +132,16 @@ def test_the_cache_holds_latents_and_decodes_as_the_full_forward_does(loaded):
         np.testing.assert_allclose(np.asarray(out[:, 0]), full[:, t], atol=1e-5, rtol=0)
 
 
+def test_scanned_latent_layers_compute_and_decode_what_unrolled_ones_do():
+    name = "deepseek_v3-full-q"  # every layer a mixture, so the layers scan
+    bundle, ref = PretrainedDecoder.load(FIXTURES / name, scan_layers=True), reference(name)
+    assert bundle.model.scan_layers
+    np.testing.assert_allclose(logits(bundle.model, bundle.variables, ref["input_ids"]), ref["logits"],
+                               atol=TOLERANCE, rtol=0)
+    result = bundle.text_generation()(ref["prompt"], ref["greedy"].shape[1], key=jax.random.key(0)).host()
+    np.testing.assert_array_equal(result.tokens, ref["greedy"])
+
+
 # --- training and export ---------------------------------------------------------------------------
 
 

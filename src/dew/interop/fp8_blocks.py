@@ -24,7 +24,8 @@ import numpy as np
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 SCALE_SUFFIX = "_scale_inv"  # "....weight" -> "....weight_scale_inv"
-SUPPORTED = {"quant_method": ("fp8",), "fmt": ("e4m3", None), "activation_scheme": ("dynamic", None)}
+METHOD = "fp8"  # quantization_config.quant_method
+SUPPORTED = {"fmt": ("e4m3", None), "activation_scheme": ("dynamic", None)}
 
 
 @dataclass(frozen=True)
@@ -35,26 +36,22 @@ class BlockQuantization:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "BlockQuantization | None":
-        """The quantization a config.json declares (None: none), raising on a format Dew cannot read."""
+        """The FP8 blocks a config.json declares (None: no FP8 quantization), raising on FP8 settings
+        Dew cannot read. Another ``quant_method`` is left to the family to accept or refuse."""
         settings = config.get("quantization_config")
-        if not settings:
+        if not settings or settings.get("quant_method") != METHOD:
             return None
         for key, supported in SUPPORTED.items():
             if settings.get(key) not in supported:
                 raise ValueError(
-                    f"config.json's quantization_config sets {key}={settings.get(key)!r}; Dew reads "
-                    f"{key} in {[s for s in supported if s is not None]} (FP8 e4m3 weight blocks with "
+                    f"config.json's quantization_config sets {key}={settings.get(key)!r}; Dew reads FP8 "
+                    f"with {key} in {[s for s in supported if s is not None]} (e4m3 weight blocks with "
                     "weight_scale_inv, as DeepSeek-V3 ships). Dequantize the checkpoint first"
                 )
         block = settings.get("weight_block_size") or (128, 128)
         if len(block) != 2 or any(int(b) < 1 for b in block):
             raise ValueError(f"quantization_config.weight_block_size must be two positive sizes, got {block!r}")
         return cls(block=(int(block[0]), int(block[1])))
-
-    def config(self) -> dict[str, Any]:
-        """The quantization_config a config.json writes for these blocks."""
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(self.block)}
 
 
 def _blockwise(scale: np.ndarray, block: tuple[int, int], shape: tuple[int, ...]) -> np.ndarray:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dew.interop import fp8_blocks
 from dew.interop.families import llama
 from dew.interop.families.llama import Weight, _linear, _norm
 from dew.nn.backbones.layer_plan import DENSE_MLP, MIXTURE_MLP
@@ -73,6 +74,12 @@ def _check_routing(config: Mapping[str, Any]) -> None:
                 f"config.json sets {key}={config[key]!r}; Dew's deepseek_v3 implements {key}={supported!r} "
                 "(sigmoid scores with the balancing bias, as DeepSeek-V3 and Kimi K2 ship)"
             )
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, fp8_blocks.METHOD):
+        raise ValueError(
+            f"config.json's quantization_config sets quant_method={method!r}; Dew reads deepseek_v3 weights "
+            f"unquantized or as {fp8_blocks.METHOD!r} blocks with weight_scale_inv (the released format)"
+        )
     if config.get("attention_bias"):
         raise ValueError("config.json sets attention_bias=True; Dew's latent attention has no biases "
                          "(attention_bias=False, as the released DeepSeek-V3 sets it)")
