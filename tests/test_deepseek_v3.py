@@ -405,3 +405,19 @@ def test_transformers_reads_dews_fp8_export_with_the_same_logits(tmp_path):
     want = logits(again.model, again.variables, ids)
     np.testing.assert_allclose(np.asarray(result["logits"]), want, atol=TOLERANCE, rtol=0)
     assert far(want, logits(bundle.model, bundle.variables, ids))
+
+
+def test_the_server_decodes_latent_attention_from_its_compressed_cache(loaded):
+    from dew.inference.serving import Server
+    from dew.sampling import Sampling
+
+    bundle, ref = loaded["deepseek_v3"], reference("deepseek_v3")
+    server = Server.from_task(bundle.text_generation(), slots=2, capacity=24)
+    greedy = Sampling(temperature=0.0)
+    budget = ref["greedy"].shape[1]
+    first = server.submit(ref["prompt"][0].tolist(), max_new_tokens=budget, sampling=greedy, seed=0)
+    server.step()  # the second request joins while the first decodes
+    second = server.submit(ref["prompt"][1].tolist(), max_new_tokens=budget, sampling=greedy, seed=1)
+    while not (first.finished and second.finished):
+        server.step()
+    assert [first.tokens, second.tokens] == ref["greedy"].tolist()

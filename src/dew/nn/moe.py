@@ -3,14 +3,14 @@
     probs   = softmax(x @ gate)                           router scores over E experts, float32
     w, e    = top_k(probs)                                each row's k experts and their scores
     w       = w / sum(w)   (normalize_top_k)              Mixtral always, Qwen3-MoE by norm_topk_prob
+    y       = routed_scale * sum_j w_j * expert_{e_j}(x)  expert(x) = down(silu(gate(x)) * up(x))
+    y      += sigmoid(x @ shared_expert_gate) * shared_expert(x)     (Qwen's shared expert)
 
 DeepSeek-V3 (arXiv:2412.19437, section 2.1.2) scores by ``sigmoid(x @ gate)`` instead and chooses
 experts by the scores plus a per-expert bias (``score_bias``, the auxiliary-loss-free balancing
 bias): the bias only selects, the chosen experts are weighted by their unbiased scores. With
 ``groups`` > 1 the experts are split into equal groups, each group is rated by the sum of its two
 best biased scores, and only the experts of the ``group_top_k`` best groups can be chosen.
-    y       = routed_scale * sum_j w_j * expert_{e_j}(x)  expert(x) = down(silu(gate(x)) * up(x))
-    y      += sigmoid(x @ shared_expert_gate) * shared_expert(x)     (Qwen's shared expert)
 
 ``dispatch="global"`` sorts the ``rows * k`` (row, expert) assignments by expert and runs each
 projection as one grouped matrix product over the sorted rows, so no assignment is dropped and no

@@ -275,25 +275,14 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
         norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
-        if self.latent_attention is not None:
-            # the latent attention module builds on this file's norm and projections, so it is imported here
-            from dew.nn.backbones.latent_attention import LatentAttention
-
-            attention = LatentAttention(
-                **self.latent_attention, num_heads=self.num_heads, num_layers=self.num_layers,
-                rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len,
-                norm_eps=self.norm_eps, causal=self.causal, attention_impl=self.attention_impl,
-                dtype=self.dtype, param_dtype=self.param_dtype, name="self_attn",
-            )
-        else:
-            attention = self.attention_class(
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                num_layers=self.num_layers, window=self.window, rope_theta=self.rope_theta,
-                rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len, qk_norm=self.qk_norm,
-                use_bias=self.attention_bias, qkv_bias=self.qkv_bias, norm_eps=self.norm_eps, causal=self.causal,
-                attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
-                name="self_attn",
-            )
+        attention = self.attention_class(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            num_layers=self.num_layers, window=self.window, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len, qk_norm=self.qk_norm,
+            use_bias=self.attention_bias, qkv_bias=self.qkv_bias, norm_eps=self.norm_eps, causal=self.causal,
+            attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
+            name="self_attn",
+        ) if self.latent_attention is None else self._latent_attention()
         h, new_cache = attention(
             RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids, layer_cache, slots, window
         )
@@ -306,6 +295,18 @@ class DecoderBlock(nn.Module):
                           param_dtype=self.param_dtype, name="mlp")
         x = x + mlp(RMSNorm(name="post_attention_layernorm", **norm)(x))
         return x, new_cache
+
+    def _latent_attention(self) -> nn.Module:
+        """DeepSeek's multi-head latent attention in place of `attention_class`."""
+        # the latent attention module builds on this file's norm and projections, so it is imported here
+        from dew.nn.backbones.latent_attention import LatentAttention
+
+        return LatentAttention(
+            **self.latent_attention, num_heads=self.num_heads, num_layers=self.num_layers,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len,
+            norm_eps=self.norm_eps, causal=self.causal, attention_impl=self.attention_impl,
+            dtype=self.dtype, param_dtype=self.param_dtype, name="self_attn",
+        )
 
 
 class CausalTransformer(nn.Module):
@@ -510,12 +511,12 @@ class CausalTransformer(nn.Module):
 
         plan = self.layer_plan
         block_args = dict(
+            latent_attention=self.latent_attention,
             num_heads=self.num_heads, num_kv_heads=self.kv_heads, head_dim=self.head_features,
             mlp_features=self.hidden_features, num_layers=self.num_layers, rope_scaling=self.rope_scaling,
             max_seq_len=self.max_seq_len, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
             attention_bias=self.attention_bias, qkv_bias=self.qkv_bias, mlp_bias=self.mlp_bias,
             causal=self.causal, attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
-            latent_attention=self.latent_attention,
         )
         mlp_plan = self.mlp_plan
         block_cls = self.block_class
