@@ -397,7 +397,7 @@ def test_unsupported_model_types_are_refused_with_the_supported_list(tmp_path):
     directory = copy_fixture("llama", tmp_path)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
-    with pytest.raises(ValueError, match=r"model_type='gpt_neox'.*\['gpt_oss', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
+    with pytest.raises(ValueError, match=r"model_type='gpt_neox'.*\['deepseek_v3', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
         Pretrained.load(directory)
     (directory / "config.json").write_text(json.dumps(
         {**config, "model_type": "my_model", "auto_map": {"AutoModelForCausalLM": "modeling_my.MyModel"}}))

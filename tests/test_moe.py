@@ -78,6 +78,57 @@ def test_global_dispatch_computes_each_rows_top_k_experts(settings):
                                          layer.shared_expert_gate)).max() > 1e-2
 
 
+def _grouped_sigmoid_reference(params, rows, top_k, groups, group_top_k, scale, bias_weights=False):
+    """DeepSeek-V3's router and experts row by row in NumPy: sigmoid scores, the bias added for the
+    choice only, the best groups by their two best biased scores, the chosen scores renormalized.
+    ``bias_weights`` (a negative control) weights the experts by the biased scores instead."""
+    rows = np.asarray(rows, np.float64)
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+    scores = 1.0 / (1.0 + np.exp(-(rows @ p["gate"])))
+    choice = scores + p["score_bias"]
+    per_group = choice.shape[1] // groups
+    out = np.zeros_like(rows)
+    for t, row in enumerate(rows):
+        rating = np.sort(choice[t].reshape(groups, per_group), axis=1)[:, -2:].sum(1)
+        allowed = np.zeros(groups, bool)
+        allowed[np.argsort(-rating)[:group_top_k]] = True
+        masked = np.where(np.repeat(allowed, per_group), choice[t], -np.inf)
+        chosen = np.argsort(-masked)[:top_k]
+        weights = (choice if bias_weights else scores)[t, chosen]
+        weights = weights / weights.sum()
+        for e, w in zip(chosen, weights):
+            experts = p["experts"]
+            hidden = _silu(row @ experts["gate_proj"][e]) * (row @ experts["up_proj"][e])
+            out[t] += scale * w * (hidden @ experts["down_proj"][e])
+    return out
+
+
+def test_the_grouped_sigmoid_router_chooses_by_biased_scores_and_weights_by_plain_ones():
+    layer = Mixture(num_experts=8, top_k=3, expert_features=10, score="sigmoid", score_bias=True, groups=4,
+                    group_top_k=2, normalize_top_k=True, routed_scale=2.5)
+    rows = _rows(40)
+    params = _params(layer, rows)
+    params["score_bias"] = jnp.asarray(np.random.default_rng(3).normal(0, 0.3, 8), jnp.float32)
+    got = np.asarray(layer.apply({"params": params}, rows))
+    want = _grouped_sigmoid_reference(params, rows, 3, 4, 2, 2.5)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # negative controls: the bias as a weight, every group allowed, or no bias each route otherwise
+    assert np.abs(got - _grouped_sigmoid_reference(params, rows, 3, 4, 2, 2.5, bias_weights=True)).max() > 1e-2
+    assert np.abs(got - _grouped_sigmoid_reference(params, rows, 3, 4, 4, 2.5)).max() > 1e-2
+    unbiased = {**params, "score_bias": jnp.zeros(8)}
+    assert np.abs(got - _grouped_sigmoid_reference(unbiased, rows, 3, 4, 2, 2.5)).max() > 1e-2
+
+
+def test_no_gradient_reaches_the_balancing_bias():
+    layer = Mixture(num_experts=8, top_k=2, expert_features=8, score="sigmoid", score_bias=True, groups=2,
+                    group_top_k=1)
+    rows = _rows(16)
+    params = _params(layer, rows)
+    grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, rows) ** 2))(params)
+    assert float(jnp.abs(grads["score_bias"]).max()) == 0.0
+    assert float(jnp.abs(grads["gate"]).max()) > 0.0
+
+
 @pytest.mark.parametrize("grouped", ["ragged_dot", "blocks"])
 def test_gradients_through_the_grouped_products_match_a_dense_formulation(grouped):
     """Every expert applied to every row, weighted by a mask of the chosen ones: the same layer
@@ -234,7 +285,11 @@ def test_the_trainer_updates_router_and_experts():
     "settings, message",
     [
         (dict(num_experts=4, top_k=5, expert_features=8), "top_k=5 is larger than num_experts=4"),
-        (dict(num_experts=4, top_k=2, expert_features=8, score="sigmoid"), "score='sigmoid' is not implemented"),
+        (dict(num_experts=4, top_k=2, expert_features=8, score="tanh"), "score='tanh' is not implemented"),
+        (dict(num_experts=6, top_k=2, expert_features=8, groups=4), "groups=4 does not divide num_experts=6"),
+        (dict(num_experts=8, top_k=2, expert_features=8, groups=8), "leaves 1 expert"),
+        (dict(num_experts=8, top_k=3, expert_features=8, groups=4, group_top_k=1), "fewer than top_k=3"),
+        (dict(num_experts=8, top_k=2, expert_features=8, groups=2, group_top_k=3), "group_top_k=3 is larger"),
         (dict(num_experts=4, top_k=2, expert_features=8, dispatch="exchange"),
          "dispatch='exchange' is not implemented"),
         (dict(num_experts=0, top_k=2, expert_features=8), "num_experts must be a positive integer"),

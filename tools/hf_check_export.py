@@ -23,8 +23,13 @@ def main() -> None:
     parser.add_argument("--ids", required=True, help="token ids as a JSON list of equal-length rows")
     args = parser.parse_args()
 
+    options = {}
+    quantization = json.loads((args.directory / "config.json").read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") == "fp8":  # FP8 blocks read as float32 (not the CPU default, bf16)
+        options["quantization_config"] = transformers.FineGrainedFP8Config(
+            dequantize=True, weight_block_size=quantization.get("weight_block_size"))
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.directory, dtype=torch.float32, attn_implementation="eager"
+        args.directory, dtype=torch.float32, attn_implementation="eager", **options
     ).eval()
     ids = torch.tensor(json.loads(args.ids), dtype=torch.long)
     with torch.no_grad():

@@ -1,8 +1,9 @@
 """Build tiny random Hugging Face decoders and record what transformers computes with them.
 
 Writes one directory per model (Llama, Qwen3, Qwen3 with a sliding layer, Mistral, Qwen2, Mixtral,
-Qwen3-MoE, GPT-OSS) under tests/fixtures/hf/, read by tests/test_interop.py, tests/test_moe_families.py
-and tests/test_gpt_oss.py:
+Qwen3-MoE, GPT-OSS, DeepSeek-V3 with and without the query's low rank) under tests/fixtures/hf/,
+read by tests/test_interop.py, tests/test_moe_families.py, tests/test_gpt_oss.py and
+tests/test_deepseek_v3.py:
 
     config.json, model.safetensors, generation_config.json   (save_pretrained, float32)
     reference.npz   input_ids [2, 12] and their logits [2, 12, vocab];
@@ -26,6 +27,9 @@ Run with the reference environment (torch CPU + transformers), not Dew's:
     .venv-ref/bin/pip install transformers safetensors numpy
     .venv-ref/bin/python tools/hf_decoder_fixtures.py            # every fixture
     .venv-ref/bin/python tools/hf_decoder_fixtures.py mistral    # only the named ones
+
+``deepseek_v3-fp8`` is the deepseek_v3 fixture's weights quantized here to FP8 blocks (DeepSeek's
+release format, small blocks), with the weights, logits and greedy tokens transformers reads from it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ SIZES = dict(
     num_key_value_heads=2, head_dim=16, intermediate_size=128,
     bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
+
+DEEPSEEK_SIZES = {k: v for k, v in SIZES.items() if k != "head_dim"}  # its head widths are its own
 
 FIXTURES = {
     # Llama 3.1 style: an untied head and "llama3" RoPE scaling with a small original context,
@@ -109,6 +115,32 @@ FIXTURES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
     )),
+    # DeepSeek-V3's structure (the architecture Kimi K2 ships): multi-head latent attention with a
+    # low-rank query (q_lora_rank) and a compressed key/value latent plus one shared rope key, heads
+    # split into unrotated and rotated parts with a value width of its own, YaRN RoPE (whose mscale
+    # also scales the softmax), the first layer dense (first_k_dense_replace), then mixtures routed by
+    # sigmoid scores with a balancing bias, the best 2 of 4 groups, top-3 of 8 renormalized and scaled
+    # by 2.5, and a shared expert.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK_SIZES, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, tie_word_embeddings=False, max_position_embeddings=64, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+    )),
+    # DeepSeek-V3's attention without the query's low rank (q_lora_rank=None, as DeepSeek-V2-Lite),
+    # plain RoPE without interleaving, and every layer a mixture with one group.
+    "deepseek_v3-full-q": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK_SIZES, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=1.0, norm_topk_prob=False,
+        first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, tie_word_embeddings=False, max_position_embeddings=64, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )),
 }
 
 # MXFP4 expert kernels: the power-of-two exponents their block scales are drawn from, per kernel
@@ -130,6 +162,9 @@ def build(config_cls, model_cls, settings, seed):
                 tensor.copy_(torch.randn(tensor.shape, generator=generator))
             else:
                 tensor.copy_(WEIGHT_STD * torch.randn(tensor.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's balancing bias: moved off zero
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
@@ -210,7 +245,9 @@ def record(name, seed):
     extra = {}
     if getattr(model.config, "num_experts_per_tok", None):  # a mixture: its load-balancing loss too
         with torch.no_grad():
-            extra["aux_loss"] = model(torch.from_numpy(input_ids), output_router_logits=True).aux_loss.numpy()
+            aux_loss = model(torch.from_numpy(input_ids), output_router_logits=True).aux_loss
+        if aux_loss is not None:  # DeepSeek-V3 balances by its bias and reports none
+            extra["aux_loss"] = aux_loss.numpy()
     np.savez_compressed(
         directory / "reference.npz",
         input_ids=input_ids.astype(np.int32), logits=logits.astype(np.float32),
@@ -222,15 +259,91 @@ def record(name, seed):
         write_mxfp4_copy(directory, packed, logits, input_ids)
 
 
+FP8_SOURCE = "deepseek_v3"
+FP8_BLOCK = (4, 8)  # small blocks, so each tiny weight holds several (the releases use 128 x 128)
+FP8_QUANTIZED = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+                 "self_attn.o_proj", "gate_proj", "up_proj", "down_proj")  # as the release: not the router
+
+
+def quantize_fp8(weight, block):
+    """DeepSeek's block quantization in torch: one scale per block, amax / 448, values weight / scale."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = torch.empty(grid, dtype=torch.float32)
+    values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = part.abs().max() / 448.0
+            values[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (part / scale[i, j]).to(
+                torch.float8_e4m3fn)
+    return values, scale
+
+
+def record_fp8():
+    """The deepseek_v3 fixture's weights FP8-quantized in blocks, and what transformers reads from them:
+    its dequantized float32 weights (reference.npz "dequantized/NAME"), logits and greedy tokens."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source, directory = OUT / FP8_SOURCE, OUT / f"{FP8_SOURCE}-fp8"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    tensors = load_file(source / "model.safetensors")
+    quantized = {}
+    for name, tensor in list(tensors.items()):
+        if name.endswith(".weight") and ".layers." in name and any(f".{m}.weight" in name for m in FP8_QUANTIZED):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensor, FP8_BLOCK)
+            quantized[name] = tensors[name]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copy(source / "generation_config.json", directory / "generation_config.json")
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=list(FP8_BLOCK)),
+    ).eval()
+    state = model.state_dict()
+    reference = dict(np.load(source / "reference.npz"))
+    with torch.no_grad():
+        logits = model(torch.from_numpy(reference["input_ids"]).long()).logits.float().numpy()
+        prompt = torch.from_numpy(reference["prompt"]).long()
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10,
+                                   do_sample=False, num_beams=1).numpy()[:, prompt.shape[1]:]
+    dequantized = {}
+    for name in quantized:  # transformers holds experts stacked: [E, 2F, H] gate_up and [E, H, F] down
+        if ".experts." in name:
+            layer, rest = name.split(".mlp.experts.")
+            expert, projection = int(rest.split(".")[0]), rest.split(".")[1]
+            if projection == "down_proj":
+                value = state[f"{layer}.mlp.experts.down_proj"][expert]
+            else:
+                gate_up = state[f"{layer}.mlp.experts.gate_up_proj"][expert]
+                half = gate_up.shape[0] // 2
+                value = gate_up[:half] if projection == "gate_proj" else gate_up[half:]
+        else:
+            value = state[name]
+        dequantized[f"dequantized/{name}"] = value.float().numpy()
+    np.savez_compressed(directory / "reference.npz", input_ids=reference["input_ids"], prompt=reference["prompt"],
+                        logits=logits.astype(np.float32), greedy=generated.astype(np.int32), **dequantized)
+    print(f"{directory.name}: {len(quantized)} FP8 tensors, greedy {generated.tolist()}")
+
+
 def main(names):
     """Record the named fixtures (all by default); each keeps the seed of its place in FIXTURES."""
-    unknown = sorted(set(names) - set(FIXTURES))
+    unknown = sorted(set(names) - set(FIXTURES) - {f"{FP8_SOURCE}-fp8"})
     if unknown:
         raise SystemExit(f"unknown fixtures {unknown}; choose from {list(FIXTURES)}")
     OUT.mkdir(parents=True, exist_ok=True)
     for seed, name in enumerate(FIXTURES):
         if not names or name in names:
             record(name, seed)
+    if not names or f"{FP8_SOURCE}-fp8" in names:
+        record_fp8()
     total = sum(path.stat().st_size for path in OUT.rglob("*") if path.is_file())
     print(f"total {total / 1024:.0f} KiB in {OUT}")
 

@@ -201,6 +201,8 @@ def uses_decode_layout(model: Any, variables: Any, rows: int) -> bool:
     count(rows, "rows")
     if rows != 1 or jax.default_backend() != "cpu" or type(model) is not CausalTransformer:
         return False
+    if model.latent_attention is not None:  # latent attention decodes through its own absorbed products
+        return False
     return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(variables))
 
 

@@ -31,7 +31,7 @@ from flax.core import meta
 from dew.data.tokenizers import HFTokenizer
 from dew.files import staged_directory
 from dew.hub import local_directory
-from dew.interop import adapted, codecs, families
+from dew.interop import adapted, codecs, families, fp8_blocks
 from dew.interop.families.llama import Weight
 from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
 from dew.nn.adapters import LoRADecoder
@@ -179,8 +179,12 @@ def _describe(config: Mapping[str, Any]) -> str:
 
 
 def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
-                 config: Mapping[str, Any], param_dtype: Any) -> dict[str, Any]:
+                 config: Mapping[str, Any], param_dtype: Any,
+                 fp8_scales: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """The params from the checkpoint's tensors; FP8 block weights are dequantized and their scales
+    kept in ``fp8_scales`` (by weight name) for `PretrainedDecoder.save`."""
     checkpoint = codecs.DecodedCheckpoint(open_checkpoint(directory), str(directory))  # MXFP4 pairs decoded
+    quantization = fp8_blocks.BlockQuantization.from_config(config)
     layered = _layered(model)
     expected = _expected_params(layered)
     names = _weight_names(family, layered, expected)
@@ -189,6 +193,11 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
     def ignorable(name: str) -> bool:
         if name.endswith(family.IGNORED_SUFFIXES):
             return True
+        if hasattr(family, "ignored") and family.ignored(name, config):  # e.g. layers beyond the model
+            return True
+        if name.endswith(fp8_blocks.SCALE_SUFFIX):  # read with the weight it scales
+            return name[: -len(fp8_blocks.SCALE_SUFFIX)] in wanted
+
         # a tied head: transformers ignores a stored lm_head.weight and uses the embedding
         return name == "lm_head.weight" and model.tie_embeddings
 
@@ -213,6 +222,8 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
                 f"({_describe(config)}) implies {list(want)}; the weights and the config disagree"
             )
         array = checkpoint[weight.hf]
+        if array.dtype == fp8_blocks.FP8:
+            array = _dequantized(checkpoint, weight.hf, array, quantization, directory, fp8_scales)
         if weight.transpose:
             array = array.T
         if weight.expert is not None:
@@ -224,6 +235,26 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
     if model.scan_layers:
         flat = _stack_layers(flat, model.num_layers)
     return _nested(flat)
+
+
+def _dequantized(checkpoint: Any, name: str, values: np.ndarray, quantization: Any, directory: Path,
+                 fp8_scales: dict[str, np.ndarray] | None) -> np.ndarray:
+    """A float8 checkpoint tensor in float32, by its block scales (`dew.interop.fp8_blocks`)."""
+    if quantization is None:
+        raise ValueError(
+            f"checkpoint tensor {name!r} in {directory} is float8_e4m3fn, but config.json has no "
+            "quantization_config saying how it is scaled; add the checkpoint's quantization_config"
+        )
+    scale_name = name + fp8_blocks.SCALE_SUFFIX
+    if scale_name not in checkpoint:
+        raise ValueError(
+            f"checkpoint tensor {name!r} in {directory} is FP8 but {scale_name!r}, its block scales, is "
+            "missing; the checkpoint is incomplete"
+        )
+    scale = np.asarray(checkpoint[scale_name], np.float32)
+    if fp8_scales is not None:
+        fp8_scales[name] = scale
+    return fp8_blocks.dequantize(values, scale, quantization.block, name)
 
 
 def _check_params(model: CausalTransformer, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -315,6 +346,8 @@ class PretrainedDecoder(Pretrained):
         an adapter saved from it names this as its base.
       packed_scales: the checkpoint's MXFP4 tensors (GPT-OSS's experts), by name, with the block
         scales they were read with; `save` packs them again (`dew.interop.codecs`).
+      fp8_scales: the block scales of a checkpoint's FP8 weights, by tensor name (None: none);
+        `save` writes those weights back as FP8 blocks (`dew.interop.fp8_blocks`).
     """
 
     model: CausalTransformer
@@ -324,6 +357,7 @@ class PretrainedDecoder(Pretrained):
     generation_config: Mapping[str, Any] | None = None
     source: str | None = None
     packed_scales: Mapping[str, np.ndarray] | None = None
+    fp8_scales: Mapping[str, np.ndarray] | None = None
 
     # --- in -------------------------------------------------------------------------------------
 
@@ -364,7 +398,8 @@ class PretrainedDecoder(Pretrained):
             kwargs["max_seq_len"] = int(max_seq_len)
         model = CausalTransformer(**kwargs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
                                   remat=remat, attention_impl=attention_impl)
-        params = _read_params(path, family, model, config, param_dtype)
+        fp8_scales: dict[str, np.ndarray] = {}
+        params = _read_params(path, family, model, config, param_dtype, fp8_scales)
         packed = codecs.DecodedCheckpoint(open_checkpoint(path), str(path))
         packed_scales = {name: packed.scales(name) for name in packed.packed} or None
 
@@ -374,7 +409,7 @@ class PretrainedDecoder(Pretrained):
             _check_tokenizer(tokenizer, model.vocab_size, f"in {path}")
         return cls(model=model, variables={"params": params}, tokenizer=tokenizer, config=config,
                    generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=_source_name(directory),
-                   packed_scales=packed_scales)
+                   packed_scales=packed_scales, fp8_scales=fp8_scales or None)
 
     @classmethod
     def from_model(
@@ -591,4 +626,12 @@ class PretrainedDecoder(Pretrained):
             if dtype is not None and (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
                 array = array.astype(jnp.dtype(dtype))
             tensors[weight.hf] = np.ascontiguousarray(array)
+        quantization = fp8_blocks.BlockQuantization.from_config(config)
+        if self.fp8_scales and quantization is not None:  # back to FP8 blocks, as the checkpoint was read
+            for name, scale in self.fp8_scales.items():
+                if name not in tensors:
+                    raise ValueError(f"the FP8 weight {name!r} this checkpoint was read with is not among the "
+                                     f"tensors {config['model_type']} writes; save the model it was loaded as")
+                tensors[name], tensors[name + fp8_blocks.SCALE_SUFFIX] = fp8_blocks.quantize(
+                    tensors[name], quantization.block, scale)
         return tensors

@@ -139,12 +139,15 @@ def init_kv_cache(
     max_len: int,
     kv_heads: int,
     head_dim: int,
+    value_dim: int | None = None,
     dtype: Any = jnp.float32,
     stacked: bool = False,
 ) -> KVCache:
-    """An empty cache (zeros, every slot empty, every length 0)."""
+    """An empty cache (zeros, every slot empty, every length 0); values are ``value_dim`` wide
+    (default: ``head_dim``; 0 for latent attention, whose values are read from its keys)."""
+    value_dim = head_dim if value_dim is None else value_dim
     k_shape = (batch_size * kv_heads, head_dim, max_len)
-    v_shape = (batch_size * kv_heads, max_len, head_dim)
+    v_shape = (batch_size * kv_heads, max_len, value_dim)
     if stacked:
         k = jnp.zeros((num_layers,) + k_shape, dtype)
         v = jnp.zeros((num_layers,) + v_shape, dtype)
@@ -169,7 +172,7 @@ def write_kv(
     batch, length, kv_heads, head_dim = k.shape
     zero, start = jnp.int32(0), jnp.asarray(index, jnp.int32)
     keys = k.transpose(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, length)
-    values = jnp.swapaxes(v, 1, 2).reshape(batch * kv_heads, length, head_dim)
+    values = jnp.swapaxes(v, 1, 2).reshape(batch * kv_heads, length, v.shape[-1])
     if start.ndim == 1:  # a slot per row: one update per row, batched into a scatter
         def per_row(cache, new, layout):  # [B * KV, a, b] seen as [B, KV, a, b]
             rows = cache.reshape((batch, kv_heads) + cache.shape[1:])

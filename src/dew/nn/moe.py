@@ -6,6 +6,12 @@
     y       = routed_scale * sum_j w_j * expert_{e_j}(x)  expert(x) = down(silu(gate(x)) * up(x))
     y      += sigmoid(x @ shared_expert_gate) * shared_expert(x)     (Qwen's shared expert)
 
+DeepSeek-V3 (arXiv:2412.19437, section 2.1.2) scores by ``sigmoid(x @ gate)`` instead and chooses
+experts by the scores plus a per-expert bias (``score_bias``, the auxiliary-loss-free balancing
+bias): the bias only selects, the chosen experts are weighted by their unbiased scores. With
+``groups`` > 1 the experts are split into equal groups, each group is rated by the sum of its two
+best biased scores, and only the experts of the ``group_top_k`` best groups can be chosen.
+
 GPT-OSS's experts differ in three ways, each a setting: a bias on the router (``router_bias``) and
 on every expert projection (``expert_bias``); the clamped SwiGLU (``activation="clamped_swiglu"``),
 ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``; and the
@@ -46,7 +52,8 @@ from dew.checks import count
 
 INIT_STD = 0.02
 ROUTER_COLLECTION = "router"
-SCORES = ("softmax",)  # the hook for DeepSeek's "sigmoid" scores (and its grouped top-k and bias)
+SCORES = ("softmax", "sigmoid")
+GROUP_RATING_EXPERTS = 2  # a group is rated by the sum of its best two biased scores (DeepSeek-V3)
 DISPATCHES = ("global",)
 GROUPED_PRODUCTS = ("auto", "ragged_dot", "blocks")
 MAX_BLOCK = 64  # rows per block of the blocked grouped product
@@ -70,7 +77,11 @@ class Mixture(nn.Module):
       top_k: experts each row is sent to (k <= E).
       expert_features: each expert's SwiGLU hidden width.
       num_layers: the model's depth, for GPT-2's scaled init of the output projections.
-      score: how router logits become scores ("softmax").
+      score: how router logits become scores ("softmax", or DeepSeek's "sigmoid").
+      score_bias: a per-expert bias (param ``score_bias``) added to the scores to choose the
+        experts but not to weight them (DeepSeek's e_score_correction_bias). No gradient reaches it.
+      groups: split the experts into this many equal groups (DeepSeek's n_group).
+      group_top_k: choose experts only from this many best groups (DeepSeek's topk_group).
       normalize_top_k: divide the k chosen scores by their sum (Mixtral; Qwen's norm_topk_prob).
       routed_scale: a factor on the routed experts' sum (DeepSeek's routed_scaling_factor).
       shared_expert_features: hidden width of an expert every row goes through (None: none).
@@ -91,6 +102,9 @@ class Mixture(nn.Module):
     expert_features: int
     num_layers: int = 1
     score: str = "softmax"
+    score_bias: bool = False
+    groups: int = 1
+    group_top_k: int | None = None
     normalize_top_k: bool = False
     routed_scale: float = 1.0
     shared_expert_features: int | None = None
@@ -116,6 +130,26 @@ class Mixture(nn.Module):
                 f"Mixture.top_k={self.top_k} is larger than num_experts={self.num_experts}; each row "
                 "is routed to top_k distinct experts, so choose top_k <= num_experts"
             )
+        count(self.groups, "Mixture.groups")
+        count(self.group_top_k, "Mixture.group_top_k", optional=True)
+        if self.num_experts % self.groups:
+            raise ValueError(
+                f"Mixture.groups={self.groups} does not divide num_experts={self.num_experts}; the experts "
+                "are split into equal groups, so choose a divisor"
+            )
+        if self.groups > 1 and self.num_experts // self.groups < GROUP_RATING_EXPERTS:
+            raise ValueError(
+                f"Mixture.groups={self.groups} leaves {self.num_experts // self.groups} expert(s) per group; a "
+                f"group is rated by its best {GROUP_RATING_EXPERTS}, so use at most "
+                f"{self.num_experts // GROUP_RATING_EXPERTS} groups"
+            )
+        if self.group_top_k is not None and self.group_top_k > self.groups:
+            raise ValueError(f"Mixture.group_top_k={self.group_top_k} is larger than groups={self.groups}")
+        if self.group_top_k is not None and self.group_top_k * (self.num_experts // self.groups) < self.top_k:
+            raise ValueError(
+                f"Mixture.group_top_k={self.group_top_k} groups of {self.num_experts // self.groups} experts hold "
+                f"fewer than top_k={self.top_k} experts; raise group_top_k or lower top_k"
+            )
         if self.score not in SCORES:
             raise ValueError(f"Mixture.score={self.score!r} is not implemented; supported scores: {SCORES}")
         if self.dispatch not in DISPATCHES:
@@ -139,19 +173,42 @@ class Mixture(nn.Module):
     # --- routing ---------------------------------------------------------------------------------
 
     def route(self, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Router logits ``[N, E]`` (float32), and each row's k scores and expert ids ``[N, k]``."""
+        """Router logits ``[N, E]`` (float32), and each row's k weights and expert ids ``[N, k]``."""
         gate = self.param("gate", _init(("embed", None)), (rows.shape[-1], self.num_experts), self.param_dtype)
         logits = rows @ gate.astype(self.dtype)
         if self.router_bias:
             bias = self.param("gate_bias", _zeros((None,)), (self.num_experts,), self.param_dtype)
             logits = logits + bias.astype(self.dtype)
         logits = logits.astype(jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.score == "softmax":
+            probs = jax.nn.softmax(logits, axis=-1)
+        else:
+            probs = jax.nn.sigmoid(logits)
+        choice = probs
+        if self.score_bias:
+            bias = self.param("score_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                              (self.num_experts,), jnp.float32)
+            choice = probs + jax.lax.stop_gradient(bias)  # moved by a balancing rule, not by the loss
+        if self.group_top_k is not None and self.group_top_k < self.groups:
+            choice = self._keep_best_groups(choice)
+        _, experts = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
         if self.normalize_top_k:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        self._record(logits, probs, experts)
+            total = jnp.sum(weights, axis=-1, keepdims=True)
+            weights = weights / (total + 1e-20 if self.score == "sigmoid" else total)
+        # sigmoid scores are normalized over the experts for the balance statistics (DeepSeek-V3, eq. 19)
+        shares = probs if self.score == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
+        self._record(logits, shares, experts)
         return logits, weights * self.routed_scale, experts
+
+    def _keep_best_groups(self, choice: jax.Array) -> jax.Array:
+        """The choice scores with every expert outside the ``group_top_k`` best groups set to -inf."""
+        rows = choice.shape[0]
+        grouped = choice.reshape(rows, self.groups, self.num_experts // self.groups)
+        rating = jnp.sum(jax.lax.top_k(grouped, GROUP_RATING_EXPERTS)[0], axis=-1)  # [N, groups]
+        _, best = jax.lax.top_k(rating, self.group_top_k)
+        kept = jnp.zeros((rows, self.groups), bool).at[jnp.arange(rows)[:, None], best].set(True)
+        return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(rows, self.num_experts)
 
     def _record(self, logits: jax.Array, probs: jax.Array, experts: jax.Array) -> None:
         """This layer's routing statistics, summed over its rows (see `router_metrics`)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from dew.interop.families import gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from dew.interop.families import deepseek_v3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
 DECODER_FAMILIES: dict[str, ModuleType] = {
     llama.MODEL_TYPE: llama,
@@ -19,6 +19,7 @@ DECODER_FAMILIES: dict[str, ModuleType] = {
     qwen2.MODEL_TYPE: qwen2,
     mixtral.MODEL_TYPE: mixtral,
     qwen3_moe.MODEL_TYPE: qwen3_moe,
+    deepseek_v3.MODEL_TYPE: deepseek_v3,
     gpt_oss.MODEL_TYPE: gpt_oss,
 }
 
@@ -52,9 +53,9 @@ def export_family(model: Any, preferred: str | None = None) -> ModuleType:
     """The family a CausalTransformer is written as.
 
     ``preferred`` (the model type the weights were loaded from) wins when it can express the model;
-    otherwise a model with attention sinks is gpt_oss, one with mixture layers is qwen3_moe (with
-    q/k norm) or mixtral (without), one with q/k/v-only biases is qwen2, and a dense one is qwen3
-    (with q/k norm) or llama.
+    otherwise a model with latent attention is deepseek_v3, one with attention sinks is gpt_oss,
+    one with mixture layers is qwen3_moe (with q/k norm) or mixtral (without), one with q/k/v-only
+    biases is qwen2, and a dense one is qwen3 (with q/k norm) or llama.
     """
     if preferred in DECODER_FAMILIES:
         try:
@@ -62,7 +63,9 @@ def export_family(model: Any, preferred: str | None = None) -> ModuleType:
             return DECODER_FAMILIES[preferred]
         except ValueError:
             pass
-    if model.attention_sinks:
+    if model.latent_attention is not None:
+        family = deepseek_v3
+    elif model.attention_sinks:
         family = gpt_oss
     elif model.mixture is not None:
         family = qwen3_moe if model.qk_norm else mixtral

@@ -194,6 +194,8 @@ def windows(model: Any) -> set[int]:
 def check_common(model: Any, family: str, *, mixture: bool = False, qkv_bias: bool = False) -> None:
     """Refuse settings no Llama-block family in transformers can express, and mixture layers or
     q/k/v-only biases unless the family has them (``mixture``, ``qkv_bias``)."""
+    if model.latent_attention is not None and family != "deepseek_v3":
+        raise ValueError(f"latent attention cannot be exported as {family}; a model with it exports as deepseek_v3")
     if model.mixture is not None and not mixture:
         raise ValueError(
             f"mixture-of-experts layers (mixture={dict(model.mixture)}) cannot be exported as {family}, "

@@ -279,6 +279,7 @@ class DecoderBlock(nn.Module):
     attention_sinks: bool = False
     mlp_bias: bool = False
     mixture: Mapping[str, Any] | None = None  # this layer's Mixture settings; None: a dense MLP
+    latent_attention: Mapping[str, Any] | None = None  # LatentAttention settings; None: SelfAttention
     causal: bool = True
     attention_impl: str = "auto"
     dtype: Any = jnp.float32
@@ -295,7 +296,7 @@ class DecoderBlock(nn.Module):
             norm_eps=self.norm_eps, causal=self.causal,
             attention_impl=self.attention_impl, dtype=self.dtype, param_dtype=self.param_dtype,
             name="self_attn",
-        )
+        ) if self.latent_attention is None else self._latent_attention()
         h, new_cache = attention(
             RMSNorm(name="input_layernorm", **norm)(x), positions, segment_ids, layer_cache, slots, window
         )
@@ -308,6 +309,18 @@ class DecoderBlock(nn.Module):
                           param_dtype=self.param_dtype, name="mlp")
         x = x + mlp(RMSNorm(name="post_attention_layernorm", **norm)(x))
         return x, new_cache
+
+    def _latent_attention(self) -> nn.Module:
+        """DeepSeek's multi-head latent attention in place of `attention_class`."""
+        # the latent attention module builds on this file's norm and projections, so it is imported here
+        from dew.nn.backbones.latent_attention import LatentAttention
+
+        return LatentAttention(
+            **self.latent_attention, num_heads=self.num_heads, num_layers=self.num_layers,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, max_seq_len=self.max_seq_len,
+            norm_eps=self.norm_eps, causal=self.causal, attention_impl=self.attention_impl,
+            dtype=self.dtype, param_dtype=self.param_dtype, name="self_attn",
+        )
 
 
 class CausalTransformer(nn.Module):
@@ -332,6 +345,10 @@ class CausalTransformer(nn.Module):
         ...}``) for the mixture layers, or None for a dense model.
       mlp_layer_types, first_k_dense: which layers are "dense" and which "mixture" (layer_plan.py;
         by default every layer is a mixture when ``mixture`` is set).
+      latent_attention: multi-head latent attention settings for every layer (DeepSeek's MLA,
+        `dew.nn.backbones.latent_attention`: ``kv_lora_rank``, ``qk_nope_head_dim``,
+        ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank``, ``rope_interleave``), or None for
+        grouped-query attention; its KV cache holds each token's latent and shared rope key.
       attention_impl: "auto", "reference", "xla" or "cudnn"; never changes the parameters.
       scan_layers: run the layers with nn.scan (params stacked under ``layers/``).
       remat: None, "full", "minimal" or "save_qkv_proj"; "minimal_offloaded" and
@@ -363,6 +380,7 @@ class CausalTransformer(nn.Module):
     mixture: Mapping[str, Any] | None = None
     mlp_layer_types: Sequence[str] | None = None
     first_k_dense: int = 0
+    latent_attention: Mapping[str, Any] | None = None
     attention_impl: str = "auto"
     scan_layers: bool = False
     remat: str | None = None
@@ -379,6 +397,8 @@ class CausalTransformer(nn.Module):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.mixture is not None and not isinstance(self.mixture, FrozenDict):
             object.__setattr__(self, "mixture", FrozenDict(self.mixture))
+        if self.latent_attention is not None and not isinstance(self.latent_attention, FrozenDict):
+            object.__setattr__(self, "latent_attention", FrozenDict(self.latent_attention))
         if self.mlp_layer_types is not None and not isinstance(self.mlp_layer_types, tuple):
             object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         self._validate()
@@ -410,6 +430,15 @@ class CausalTransformer(nn.Module):
             if reserved:
                 raise ValueError(f"mixture= must not set {reserved}; the model passes its own")
             Mixture(**self.mixture, parent=None)  # raises, naming the setting, on a bad mixture
+        if self.latent_attention is not None:
+            from dew.nn.backbones.latent_attention import LatentAttention, latent_settings
+
+            LatentAttention(**latent_settings(self.latent_attention), num_heads=self.num_heads,
+                            num_layers=self.num_layers, parent=None)  # raises, naming the setting
+            windowed = sorted({kind.window for kind in plan if kind.window is not None})
+            if windowed:
+                raise ValueError(f"latent_attention has no sliding window, but layers slide over {windowed} "
+                                 "tokens; use full-attention layers")
         if self.scan_layers and len(set(mlp_plan)) > 1:
             raise ValueError(
                 f"scan_layers=True needs every layer to have the same feed-forward, but the layers mix "
@@ -447,6 +476,13 @@ class CausalTransformer(nn.Module):
     def init_cache(self, batch_size: int, max_len: int | None = None, dtype: Any = None) -> KVCache:
         """An empty KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens."""
         max_len = self.max_seq_len if max_len is None else max_len
+        if self.latent_attention is not None:  # one head whose keys are each token's latent and rope key
+            latent = self.latent_attention
+            return init_kv_cache(
+                num_layers=self.num_layers, batch_size=batch_size, max_len=max_len, kv_heads=1,
+                head_dim=latent["kv_lora_rank"] + latent["qk_rope_head_dim"], value_dim=0,
+                dtype=self.dtype if dtype is None else dtype, stacked=self.scan_layers,
+            )
         return init_kv_cache(
             num_layers=self.num_layers, batch_size=batch_size, max_len=max_len,
             kv_heads=self.kv_heads, head_dim=self.head_features,
@@ -491,6 +527,7 @@ class CausalTransformer(nn.Module):
 
         plan = self.layer_plan
         block_args = dict(
+            latent_attention=self.latent_attention,
             num_heads=self.num_heads, num_kv_heads=self.kv_heads, head_dim=self.head_features,
             mlp_features=self.hidden_features, num_layers=self.num_layers, rope_scaling=self.rope_scaling,
             max_seq_len=self.max_seq_len, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
