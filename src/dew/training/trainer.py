@@ -50,7 +50,8 @@ class Trainer:
     averaged before one update. `rollout(variables, batch, key) -> batch` (online RL) turns each
     batch of prompts into a training batch sampled from the current weights before the step.
     `profile=ProfileWindow(directory, steps=, warmup=)` traces that window of each fit into a new
-    capture and reports it to the tracker as a `ProfileCaptured` record.
+    capture and reports it to the tracker as a `ProfileCaptured` record. `devices` are the devices
+    the mesh spans (all of them by default).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class Trainer:
         tracker: Any = None,
         rollout: Any = None,
         profile: ProfileWindow | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ):
         if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
             raise TypeError(
@@ -90,7 +92,7 @@ class Trainer:
         self.key = _as_key(key)
         self.mesh_spec = mesh
         self.layout = layout
-        self.mesh = mesh.build()
+        self.mesh = mesh.build(devices)
         self.accumulation = accumulation
         self.checkpoints = checkpoints
         self.tracker = tracker
@@ -363,6 +365,18 @@ class Trainer:
                 donate_argnums=(0,),
             )
         return self._step_fn
+
+    def lower(self, batch: Mapping[str, Any]):
+        """The step lowered for this trainer's state and a batch of these shapes, allocating nothing.
+
+        `batch` maps each field to an array or a `jax.ShapeDtypeStruct` of the global batch; the
+        result's `.compile()` gives XLA's memory analysis and HLO (what `dew.training.plan` reads).
+        """
+        shapes = {
+            name: jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=self._batch_sharding(np.shape(value)))
+            for name, value in batch.items()
+        }
+        return self.compiled_step().lower(self._abstract_with_shardings(), shapes)
 
     # ----------------------------------------------------------------------------------------
     # Batches.
