@@ -54,6 +54,8 @@ def test_plan_refuses_meshes_it_cannot_build():
     present = len(jax.devices())
     with pytest.raises(ValueError, match=f"{present + 8} devices.*started with {present}.*device_count={present + 8}"):
         plan(model, MeshSpec(fsdp=present + 8), devices=present + 8, batch=8, seq_len=16)
+    with pytest.raises(ValueError, match="batch=6 rows do not split over the 4 batch-parallel devices"):
+        plan(model, MeshSpec(fsdp=2), devices=4, batch=6, seq_len=16)
     with pytest.raises(ValueError, match="devices must be a positive integer"):
         plan(model, MeshSpec(), devices=0, batch=8, seq_len=16)
 

@@ -29,7 +29,7 @@ from dew.nn.backbones.causal_transformer import CausalTransformer
 from dew.objectives.base import Step
 from dew.objectives.lm import LMObjective
 from dew.telemetry.collectives import Collectives, count_collectives
-from dew.training.mesh import Layout, MeshSpec
+from dew.training.mesh import Layout, MeshSpec, batch_divisor
 from dew.training.trainer import Trainer
 
 # Decoder shapes by name (CausalTransformer arguments, as the models' config.json files give them).
@@ -174,6 +174,12 @@ def plan(model: CausalTransformer, mesh: MeshSpec, *, devices: int, batch: int, 
     objective = LMObjective(model, seq_len=seq_len)
     optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
     trainer = Trainer(objective, optimizer, key=jax.random.key(0), mesh=mesh, layout=layout, devices=chips)
+    splits = batch_divisor(trainer.mesh)
+    if batch % splits:
+        raise ValueError(
+            f"batch={batch} rows do not split over the {splits} batch-parallel devices of "
+            f"{mesh} on {devices} devices; use a batch that is a multiple of {splits}."
+        )
     tokens = {"text": jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)}
 
     started = time.perf_counter()
