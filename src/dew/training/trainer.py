@@ -22,6 +22,7 @@ import optax
 
 from dew.data.dataset import Dataset, Partition
 from dew.eval.evaluation import Evaluation, EvaluationResult
+from dew.nn.gpipe import staging
 from dew.objectives.base import Aux, Objective, Step
 from dew.training import mesh as mesh_lib
 from dew.training import positions
@@ -322,7 +323,8 @@ class Trainer:
         state = self._in_memory(state, "device")
         step_root = jax.random.split(state.key)[1]
         step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
-        loss, aux, grads = self._gradients(state, batch, step)
+        with staging(self.mesh_spec.stage_split(self.mesh)):  # traced with the layers as GPipe stages
+            loss, aux, grads = self._gradients(state, batch, step)
         params = state.variables["params"]
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
