@@ -9,6 +9,8 @@ import pytest
 from dew import MeshSpec, Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
+from dew.nn.backbones.layer_plan import LayerKind
+from dew.nn.gpipe import StageSplit, staging
 from dew.objectives.lm import LMObjective
 from dew.training import Layout
 
@@ -35,6 +37,27 @@ def test_two_stages_of_four_microbatches_train_as_one_device():
     state = staged.init_state()
     layer_weight = state.params["layers"]["self_attn"]["q_proj"]["kernel"]
     assert layer_weight.sharding.spec[0] is None  # the stacked weights are not split over the stages
+
+
+def test_stages_keep_per_layer_windows_and_packed_documents_exact():
+    # Layers 0 and 2 slide a window of 3, layers 1 and 3 see everything; two documents per row.
+    model = CausalTransformer(vocab_size=VOCAB, emb_features=32, num_layers=4, num_heads=2, max_seq_len=32,
+                              scan_layers=True, layer_types=("sliding_attention", "full_attention") * 2,
+                              kinds={"sliding_attention": LayerKind(window=3)})
+    tokens = BATCH["text"][:, :16]
+    segments = np.repeat(np.asarray([[0] * 9 + [1] * 7]), 8, axis=0).astype(np.int32)
+    variables = model.init(jax.random.key(0), tokens)
+    plain = jax.jit(lambda v: model.apply(v, tokens, segment_ids=segments))(variables)
+
+    def staged(v):
+        with staging(StageSplit(mesh=None, stages=2, microbatches=4)):
+            return model.apply(v, tokens, segment_ids=segments)
+
+    np.testing.assert_allclose(jax.jit(staged)(variables), plain, atol=1e-5)
+    shuffled = jax.tree_util.tree_map(lambda w: w[::-1], variables["params"]["layers"])  # layer order matters
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(jax.jit(staged)({"params": {**variables["params"], "layers": shuffled}}),
+                                   plain, atol=1e-5)
 
 
 def test_stage_counts_that_do_not_cut_the_layers_are_refused():

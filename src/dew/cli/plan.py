@@ -15,6 +15,8 @@ def run(
     fsdp: int = 1,
     tensor: int = 1,
     sequence: int = 1,
+    stage: int = 1,
+    microbatches: int | None = None,
     batch: int | None = None,
     seq_len: int = 2048,
     dtype: Literal["bfloat16", "float32"] = "bfloat16",
@@ -32,6 +34,8 @@ def run(
         fsdp: Devices that shard parameters, optimizer state and the batch.
         tensor: Devices that split heads, MLP and vocabulary.
         sequence: Devices that split each sequence's positions.
+        stage: GPipe stages the layer stack runs as (weights replicated over them).
+        microbatches: Microbatches per batch for the stages (default: one per stage).
         batch: Global batch in rows (default: one row per device).
         seq_len: Tokens per row; a longer context than the config's extends max_seq_len.
         dtype: Compute dtype (weights and optimizer state stay float32).
@@ -56,7 +60,7 @@ def run(
         raise ValueError(f"--preset {preset!r} is not a known shape; presets are {sorted(PRESETS)}")
     settings = PRESETS[preset] if preset is not None else _config_settings(config)
     model = decoder(settings, seq_len=seq_len, dtype=getattr(jnp, dtype), remat=remat)
-    result = plan(model, MeshSpec(fsdp=fsdp, tensor=tensor, sequence=sequence), devices=devices,
+    result = plan(model, MeshSpec(fsdp=fsdp, tensor=tensor, sequence=sequence, stage=stage, microbatches=microbatches), devices=devices,
                   batch=devices if batch is None else batch, seq_len=seq_len, layout=Layout(min_shard=min_shard))
     print(result.report())
     if json_out is not None:

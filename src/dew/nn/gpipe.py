@@ -106,7 +106,7 @@ def run_stages(
         jax.tree_util.tree_map(lambda w: w.reshape((stages, per_stage) + w.shape[1:]), weights)
     )
     by_micro = lambda a: a.reshape((micro, a.shape[0] // micro) + a.shape[1:])  # noqa: E731
-    inputs = (by_micro(x), jax.tree_util.tree_map(by_micro, rows))
+    inputs = (by_micro(x), jax.tree_util.tree_map(lambda a: by_micro(jnp.asarray(a)), rows))
     # What each stage works on: activations and rows of one microbatch (zeros before the pipe fills).
     slots = jax.tree_util.tree_map(lambda a: jnp.zeros((stages,) + a.shape[1:], a.dtype), inputs)
 
