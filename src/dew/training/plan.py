@@ -63,10 +63,10 @@ def decoder(settings: Mapping[str, Any], *, seq_len: int, dtype: Any = jnp.bfloa
 
 
 def use_virtual_devices(devices: int) -> None:
-    """Ask for `devices` virtual CPU devices, unless JAX can already compile for that many.
+    """Ask XLA for `devices` virtual CPU devices (and the CPU backend, unless JAX_PLATFORMS names one).
 
-    Effective only before JAX starts its backends; afterwards the flag is ignored and `plan`
-    raises, naming the device count JAX started with.
+    Effective only before JAX starts its backends; afterwards the flag is ignored, and `plan`
+    raises when JAX started with fewer devices than it needs, naming how many it has.
     """
     devices = count(devices, "devices")
     flags = re.sub(rf"{DEVICE_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
