@@ -1,6 +1,7 @@
 """The stage axis: a decoder's layer stack as GPipe stages over microbatches trains as one device does,
 with weights and optimizer state replicated over the stages and the stages handing activations on."""
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -23,6 +24,17 @@ def trainer(mesh, layers=4, **settings):
                               max_seq_len=32, scan_layers=True, **settings)
     return Trainer(LMObjective(model, seq_len=16), optax.adam(1e-2), key=jax.random.key(0), mesh=mesh,
                    layout=Layout(min_shard=1), devices=jax.devices()[: 8 if mesh.stage > 1 else 1])
+
+
+class _Dense(nn.Module):
+    """A model without a layer stack: next-token logits from one embedding."""
+
+    vocab_size: int = VOCAB
+    max_seq_len: int = 32
+
+    @nn.compact
+    def __call__(self, tokens):
+        return nn.Embed(VOCAB, VOCAB)(tokens)
 
 
 def losses(t, steps=5):
@@ -69,6 +81,9 @@ def test_stage_counts_that_do_not_cut_the_layers_are_refused():
         Trainer(LMObjective(CausalTransformer(vocab_size=VOCAB, emb_features=32, num_layers=2, num_heads=2,
                                               max_seq_len=32), seq_len=16),
                 optax.adam(1e-2), key=jax.random.key(0), mesh=MeshSpec(stage=2)).lower(BATCH)
+    dense = Trainer(LMObjective(_Dense(), seq_len=16), optax.adam(1e-2), key=jax.random.key(0), mesh=MeshSpec(stage=2))
+    with pytest.raises(ValueError, match="ran no stack as stages .* Use stage=1"):
+        dense.lower(BATCH)
     with pytest.raises(ValueError, match="MeshSpec.microbatches must be a positive integer or None; got 0"):
         MeshSpec(stage=2, microbatches=0)
 

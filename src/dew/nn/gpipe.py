@@ -61,22 +61,34 @@ class StageSplit:
         return jax.tree_util.tree_map(pin, tree)
 
 
-_CURRENT: contextvars.ContextVar[StageSplit | None] = contextvars.ContextVar("dew_stage_split", default=None)
+@dataclasses.dataclass
+class Staged:
+    """What `staging` yields: how many layer stacks ran as stages inside it (0 means the stage
+    devices only repeated each other's work)."""
+
+    stacks: int = 0
+
+
+_CURRENT: contextvars.ContextVar[tuple[StageSplit, Staged] | None] = contextvars.ContextVar(
+    "dew_stage_split", default=None
+)
 
 
 @contextlib.contextmanager
-def staging(split: StageSplit | None) -> Iterator[None]:
+def staging(split: StageSplit | None) -> Iterator[Staged]:
     """Run layer stacks traced inside this block as `split` says (None: the usual way)."""
-    token = _CURRENT.set(split)
+    staged = Staged()
+    token = _CURRENT.set(None if split is None else (split, staged))
     try:
-        yield
+        yield staged
     finally:
         _CURRENT.reset(token)
 
 
 def current() -> StageSplit | None:
     """The StageSplit of the step being traced, or None."""
-    return _CURRENT.get()
+    entry = _CURRENT.get()
+    return None if entry is None else entry[0]
 
 
 def run_stages(
@@ -94,6 +106,9 @@ def run_stages(
     """
     layers = jax.tree_util.tree_leaves(weights)[0].shape[0]
     split.check(layers, x.shape[0])
+    entry = _CURRENT.get()
+    if entry is not None:
+        entry[1].stacks += 1
     stages, micro = split.stages, split.microbatches
     per_stage = layers // stages
 

@@ -323,8 +323,15 @@ class Trainer:
         state = self._in_memory(state, "device")
         step_root = jax.random.split(state.key)[1]
         step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
-        with staging(self.mesh_spec.stage_split(self.mesh)):  # traced with the layers as GPipe stages
+        stages = self.mesh_spec.stage_split(self.mesh)
+        with staging(stages) as staged:  # traced with the layers as GPipe stages
             loss, aux, grads = self._gradients(state, batch, step)
+        if stages is not None and not staged.stacks:
+            raise ValueError(
+                f"MeshSpec(stage={stages.stages}) runs a model's layer stack as pipeline stages, but "
+                f"{type(self.objective).__name__}'s model ran no stack as stages (CausalTransformer with "
+                f"scan_layers=True does), so the stage devices would only repeat each other's work. Use stage=1."
+            )
         params = state.variables["params"]
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
