@@ -84,6 +84,8 @@ def test_stage_counts_that_do_not_cut_the_layers_are_refused():
     dense = Trainer(LMObjective(_Dense(), seq_len=16), optax.adam(1e-2), key=jax.random.key(0), mesh=MeshSpec(stage=2))
     with pytest.raises(ValueError, match="ran no stack as stages .* Use stage=1"):
         dense.lower(BATCH)
+    with pytest.raises(ValueError, match="microbatches=4.* but stage=1"):
+        MeshSpec(microbatches=4)
     with pytest.raises(ValueError, match="MeshSpec.microbatches must be a positive integer or None; got 0"):
         MeshSpec(stage=2, microbatches=0)
 

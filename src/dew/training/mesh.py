@@ -69,6 +69,11 @@ class MeshSpec:
     def __post_init__(self):
         count_fields(self, fsdp=1, tensor=1, expert=1, sequence=1, replicas=1, stage=1)
         object.__setattr__(self, "microbatches", count(self.microbatches, "MeshSpec.microbatches", optional=True))
+        if self.microbatches is not None and self.stage == 1:
+            raise ValueError(
+                f"MeshSpec(microbatches={self.microbatches}) cuts batches for pipeline stages, but stage=1. "
+                f"Set stage= as well, or use Trainer(accumulation=...) to split a batch on one stage."
+            )
         for name, reason in UNUSED_AXES.items():
             if getattr(self, name) > 1:
                 raise ValueError(
