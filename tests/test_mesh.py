@@ -129,7 +129,7 @@ def test_layout_rules_map_logical_names_and_respect_divisibility():
 def test_mesh_shape_fills_data_parallelism_and_refuses_bad_factors():
     assert MeshSpec(fsdp=2, tensor=2).shape(8)["data"] == 2
     assert MeshSpec(replicas=2, fsdp=4).shape(8) == {
-        "replicas": 2, "data": 1, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 1
+        "replicas": 2, "stage": 1, "data": 1, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 1
     }
     with pytest.raises(ValueError, match="MeshSpec\\(fsdp=16.*needs a multiple of 16 devices, but 8"):
         MeshSpec(fsdp=16).build()

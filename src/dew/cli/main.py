@@ -6,7 +6,7 @@ import sys
 
 from tyro.conf import Positional
 
-from dew.cli import checkpoints, demo, launch, serve, tokenize  # each imports its heavy dependencies inside its function
+from dew.cli import checkpoints, demo, launch, plan, serve, tokenize  # each imports its heavy dependencies inside its function
 
 
 def _export(run: Positional[str], dest: Positional[str], step: int | None = None, live: bool = False,
@@ -39,6 +39,7 @@ COMMANDS = {
     "export": _export,
     "checkpoints": checkpoints.run,
     "serve": serve.run,
+    "plan": plan.run,
 }
 
 

@@ -16,11 +16,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.checks import count_fields
+from dew.checks import count, count_fields
+from dew.nn.gpipe import StageSplit
 from dew.nn.sequence_parallel import SequenceSplit, check_exchange
 
-# Mesh axes, outermost first. `replicas` spans hosts in hybrid sharding; `data` is what is left.
-AXES = ("replicas", "data", "fsdp", "expert", "sequence", "tensor")
+# Mesh axes, outermost first. `replicas` spans hosts in hybrid sharding; `stage` holds GPipe's
+# stages (weights replicated over it); `data` is what is left.
+AXES = ("replicas", "stage", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes the mesh names but no model or objective gives work to yet, and why a size above one is
 # refused rather than accepted and wasted.
 UNUSED_AXES = {
@@ -48,16 +50,29 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """How many devices each parallelism axis spans; data parallelism takes the remainder."""
+    """How many devices each parallelism axis spans; data parallelism takes the remainder.
+
+    `stage` runs a decoder's scanned layer stack as that many GPipe stages (`dew.nn.gpipe`), each
+    batch cut into `microbatches` (default: one per stage); weights and optimizer state stay
+    replicated over the stages, which save activation memory.
+    """
 
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
     sequence: int = 1
     replicas: int = 1
+    stage: int = 1
+    microbatches: int | None = None
 
     def __post_init__(self):
-        count_fields(self, fsdp=1, tensor=1, expert=1, sequence=1, replicas=1)
+        count_fields(self, fsdp=1, tensor=1, expert=1, sequence=1, replicas=1, stage=1)
+        object.__setattr__(self, "microbatches", count(self.microbatches, "MeshSpec.microbatches", optional=True))
+        if self.microbatches is not None and self.stage == 1:
+            raise ValueError(
+                f"MeshSpec(microbatches={self.microbatches}) cuts batches for pipeline stages, but stage=1. "
+                f"Set stage= as well, or use Trainer(accumulation=...) to split a batch on one stage."
+            )
         for name, reason in UNUSED_AXES.items():
             if getattr(self, name) > 1:
                 raise ValueError(
@@ -69,16 +84,17 @@ class MeshSpec:
 
     def shape(self, device_count: int) -> dict[str, int]:
         """Axis sizes for `device_count` devices, with `data` filling the rest."""
-        fixed = self.fsdp * self.tensor * self.expert * self.sequence * self.replicas
+        fixed = self.fsdp * self.tensor * self.expert * self.sequence * self.replicas * self.stage
         if device_count % fixed:
             raise ValueError(
                 f"MeshSpec(fsdp={self.fsdp}, tensor={self.tensor}, expert={self.expert}, "
-                f"sequence={self.sequence}, replicas={self.replicas}) needs a multiple of {fixed} "
-                f"devices, but {device_count} are available. Choose factors whose product divides "
-                f"{device_count}."
+                f"sequence={self.sequence}, replicas={self.replicas}, stage={self.stage}) needs a multiple "
+                f"of {fixed} devices, but {device_count} are available. Choose factors whose product "
+                f"divides {device_count}."
             )
         sizes = dict(
             replicas=self.replicas,
+            stage=self.stage,
             data=device_count // fixed,
             fsdp=self.fsdp,
             expert=self.expert,
@@ -93,6 +109,12 @@ class MeshSpec:
         sizes = self.shape(len(devices))
         grid = np.asarray(devices, dtype=object).reshape(tuple(sizes.values()))
         return Mesh(grid, AXES)
+
+    def stage_split(self, mesh: Mesh) -> StageSplit | None:
+        """How a step on `mesh` runs layer stacks as stages (None: one stage)."""
+        if self.stage == 1:
+            return None
+        return StageSplit(mesh, self.stage, self.microbatches or self.stage)
 
 
 HOST_PARTS = ("opt_state", "ema")  # the TrainState fields Layout(host=...) may keep in host memory

@@ -22,6 +22,7 @@ import optax
 
 from dew.data.dataset import Dataset, Partition
 from dew.eval.evaluation import Evaluation, EvaluationResult
+from dew.nn.gpipe import staging
 from dew.nn.sequence_parallel import splitting
 from dew.objectives.base import Aux, Objective, Step
 from dew.training import mesh as mesh_lib
@@ -51,7 +52,8 @@ class Trainer:
     averaged before one update. `rollout(variables, batch, key) -> batch` (online RL) turns each
     batch of prompts into a training batch sampled from the current weights before the step.
     `profile=ProfileWindow(directory, steps=, warmup=)` traces that window of each fit into a new
-    capture and reports it to the tracker as a `ProfileCaptured` record.
+    capture and reports it to the tracker as a `ProfileCaptured` record. `devices` are the devices
+    the mesh spans (all of them by default).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class Trainer:
         tracker: Any = None,
         rollout: Any = None,
         profile: ProfileWindow | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ):
         if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
             raise TypeError(
@@ -91,7 +94,7 @@ class Trainer:
         self.key = _as_key(key)
         self.mesh_spec = mesh
         self.layout = layout
-        self.mesh = mesh.build()
+        self.mesh = mesh.build(devices)
         self.accumulation = accumulation
         self.checkpoints = checkpoints
         self.tracker = tracker
@@ -322,7 +325,9 @@ class Trainer:
         step_root = jax.random.split(state.key)[1]
         step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
         split = mesh_lib.sequence_split(self.mesh, self.layout)
-        with splitting(split) as split_lengths:  # the model traced with its token rows split along the length
+        stages = self.mesh_spec.stage_split(self.mesh)
+        # traced with the token rows split along the length and the layers as GPipe stages, as the mesh asks
+        with splitting(split) as split_lengths, staging(stages) as staged:
             loss, aux, grads = self._gradients(state, batch, step)
         if split is not None and not split_lengths:
             raise ValueError(
@@ -330,6 +335,12 @@ class Trainer:
                 f"{type(self.objective).__name__}'s model splits none (decoders such as CausalTransformer "
                 f"do), so those devices would repeat each other's work. Use sequence=1 and give the "
                 f"devices to fsdp= or the data axis."
+            )
+        if stages is not None and not staged.stacks:
+            raise ValueError(
+                f"MeshSpec(stage={stages.stages}) runs a model's layer stack as pipeline stages, but "
+                f"{type(self.objective).__name__}'s model ran no stack as stages (CausalTransformer with "
+                f"scan_layers=True does), so the stage devices would only repeat each other's work. Use stage=1."
             )
         params = state.variables["params"]
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
@@ -373,6 +384,18 @@ class Trainer:
                 donate_argnums=(0,),
             )
         return self._step_fn
+
+    def lower(self, batch: Mapping[str, Any]):
+        """The step lowered for this trainer's state and a batch of these shapes, allocating nothing.
+
+        `batch` maps each field to an array or a `jax.ShapeDtypeStruct` of the global batch; the
+        result's `.compile()` gives XLA's memory analysis and HLO (what `dew.training.plan` reads).
+        """
+        shapes = {
+            name: jax.ShapeDtypeStruct(np.shape(value), value.dtype, sharding=self._batch_sharding(np.shape(value)))
+            for name, value in batch.items()
+        }
+        return self.compiled_step().lower(self._abstract_with_shardings(), shapes)
 
     # ----------------------------------------------------------------------------------------
     # Batches.

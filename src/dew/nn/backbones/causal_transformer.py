@@ -31,6 +31,7 @@ import numpy as np
 from flax.core import FrozenDict
 from jax.ad_checkpoint import checkpoint_name
 
+from dew.nn import gpipe
 from dew.nn.attention import cache_attention, check_attention_impl
 from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_plan, resolve_mlp_plan
 from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv, write_positions
@@ -539,7 +540,17 @@ class CausalTransformer(nn.Module):
         if self.remat is not None:
             block_cls = nn.remat(self.block_class, policy=remat_policy(self.remat), prevent_cse=not self.scan_layers)
 
-        if self.scan_layers:
+        stages = gpipe.current() if cache is None and not self.is_initializing() else None
+        if stages is not None and (not self.scan_layers or self.mixture is not None):
+            raise ValueError(
+                f"MeshSpec(stage={stages.stages}) runs a decoder's scanned layer stack as GPipe stages; "
+                f"build it with scan_layers=True and dense layers (got scan_layers={self.scan_layers}, "
+                f"mixture={'set' if self.mixture is not None else None}), or use stage=1."
+            )
+        if stages is not None:
+            x = self._staged_layers(stages, block_cls, block_args, plan, x, positions, segment_ids)
+            new_k = new_v = None
+        elif self.scan_layers:
             mixture = self.mixture if mlp_plan[0] == MIXTURE_MLP else None
             x, new_k, new_v = self._scanned_layers(block_cls, dict(block_args, mixture=mixture), plan, x,
                                                    positions, segment_ids, cache, slots)
@@ -573,15 +584,30 @@ class CausalTransformer(nn.Module):
         )
         return logits, new_cache
 
+    def _layer_windows(self, plan):
+        """The window every scanned layer shares (static), or each layer's window as data (0: none)."""
+        if len({kind.window for kind in plan}) == 1:
+            return plan[0].window, None
+        return None, jnp.asarray([kind.window or 0 for kind in plan], jnp.int32)
+
+    def _staged_layers(self, split, block_cls, block_args, plan, x, positions, segment_ids):
+        """The scanned layers' weights run as GPipe stages over microbatches (dew.nn.gpipe)."""
+        static_window, layer_windows = self._layer_windows(plan)
+        theta = self.rope_theta if plan[0].rope_theta is None else plan[0].rope_theta
+        block = block_cls(window=static_window, rope_theta=theta, mixture=None, parent=None, **block_args)
+        weights = {"params": self.variables["params"]["layers"]}
+        if layer_windows is not None:
+            weights["window"] = layer_windows
+
+        def layer(w, h, rows):
+            return block.apply({"params": w["params"]}, h, rows[0], rows[1], None, None, w.get("window"))[0]
+
+        return gpipe.run_stages(split, layer, weights, x, (positions, segment_ids))
+
     def _scanned_layers(self, block_cls, block_args, plan, x, positions, segment_ids, cache, slots):
         """All layers as one nn.scan over a stacked block; windows may differ per layer."""
-        windows = {kind.window for kind in plan}
         theta = self.rope_theta if plan[0].rope_theta is None else plan[0].rope_theta
-        if len(windows) == 1:
-            static_window, layer_windows = plan[0].window, None
-        else:  # per-layer windows ride along as scanned data; 0 means "no window"
-            static_window = None
-            layer_windows = jnp.asarray([kind.window or 0 for kind in plan], jnp.int32)
+        static_window, layer_windows = self._layer_windows(plan)
         scanned = nn.scan(
             block_cls,
             variable_axes={"params": 0, ROUTER_COLLECTION: 0},
