@@ -173,6 +173,8 @@ class DiffusionObjective(Objective):
                 drawn = self.autoencoder.decode(drawn)
             outputs["samples"] = jnp.clip(drawn, -1.0, 1.0)
             outputs["images"] = to_unit_range(real)
+            outputs.update({name: batch[name] for name, field in self.inputs.conditions.items()
+                            if hasattr(field, "encode") and name in batch})  # caption ids, for CLIPScore
         return outputs
 
     def settings(self) -> dict[str, Any]:
