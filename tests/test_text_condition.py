@@ -161,3 +161,25 @@ def test_the_encoders_weights_ride_in_the_state_not_in_the_compiled_step(encoder
     np.testing.assert_allclose(conditions["embedding"], ref["projected"][:2], atol=TOLERANCE, rtol=0)
     moved = conditions_of({"caption_encoder": jax.tree.map(lambda w: 2 * w, held)})  # the step reads the collection
     assert np.abs(np.asarray(moved["text"]) - ref["penultimate"][:2]).max() > 100 * TOLERANCE
+
+
+@pytest.mark.slow
+def test_checkpoints_leave_the_encoder_out_and_a_resumed_run_takes_it_again(encoders, tmp_path):
+    import optax
+
+    from dew.data.dataset import Dataset
+    from dew.training.checkpoints import Checkpoints
+    from dew.training.trainer import Trainer
+
+    condition = TextCondition(encoders["clip"])
+    data = Dataset.from_records(batch_of(condition, CAPTIONS * 4), batch=8)
+    trainer = Trainer(objective(condition), optax.adam(1e-3), key=jax.random.key(0),
+                      checkpoints=Checkpoints(tmp_path))
+    trainer.fit(data, steps=1, log_every=1, checkpoint_every=1)
+    saved, _, _ = Checkpoints(tmp_path).restore_variables()
+    assert sorted(saved) == ["params"]  # the encoder's weights are not in the checkpoint
+    resumed = Trainer(objective(condition), optax.adam(1e-3), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path))
+    state, _, step = resumed.restore_or_init()
+    assert step == 1
+    table = encoders["clip"].variables["params"]["token_embedding"]["embedding"]
+    np.testing.assert_array_equal(state.variables["caption_encoder"]["params"]["token_embedding"]["embedding"], table)
