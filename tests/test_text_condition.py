@@ -119,3 +119,67 @@ def test_bad_captions_fail_before_compiling(encoders):
         TextCondition(encoders["t5"], layer="penultimate")
     with pytest.raises(ValueError, match="layer must be one of"):
         TextCondition(encoders["clip"], layer="first")
+
+
+def test_the_encoders_weights_ride_in_the_state_not_in_the_compiled_step(encoders):
+    """A frozen collection: sharded and passed like weights, no optimizer state, not checkpointed, and
+    no longer a constant of the step; the conditions and the loss are those of the baked encoder."""
+    import re
+
+    import optax
+    from flax.core import meta
+
+    from dew.training.trainer import Trainer
+
+    encoder = encoders["clip"]
+    condition = TextCondition(encoder, layer="penultimate", pooled="projected")
+    diffusion = objective(condition)
+    trainer = Trainer(diffusion, optax.adam(1e-3), key=jax.random.key(0))
+    state = trainer._abstract_with_shardings()  # shapes and shardings: lowering the step needs no values
+    assert diffusion.frozen_collections == ("caption_encoder",)
+    table = encoder.variables["params"]["token_embedding"]["embedding"]
+    assert state.variables["caption_encoder"]["params"]["token_embedding"]["embedding"].shape == table.shape
+    assert set(trainer._saved(state).variables) == {"params"}  # checkpoints leave the encoder out
+    opt_shapes = {leaf.shape for leaf in jax.tree.leaves(state.opt_state)}
+    assert table.shape not in opt_shapes  # no optimizer state for it
+
+    batch = trainer.place(batch_of(condition, CAPTIONS * 4))
+    step = Step(jnp.int32(0), jax.random.key(1))
+    table_constant = re.compile(r"constant dense<[^>]*> : tensor<%dx%dxf32>" % table.shape)
+    compiled_step = trainer.compiled_step().lower(state, batch).as_text()
+    assert not table_constant.search(compiled_step)
+    baked = {"params": state.variables["params"]}  # without the collection: the encoder's own weights, as constants
+    baked_loss = jax.jit(lambda v, b: diffusion.loss(v, b, step)[0]).lower(baked, batch)
+    assert table_constant.search(baked_loss.as_text())  # negative control: the old way holds the table
+
+    ref = np.load(FIXTURES / "clip" / "reference.npz")
+    held = meta.unbox(condition.frozen_variables())  # what init places in the collection
+    np.testing.assert_array_equal(held["params"]["token_embedding"]["embedding"], table)
+    conditions_of = jax.jit(lambda variables: diffusion.conditions_of(batch_of(condition), variables=variables))
+    conditions = conditions_of({"caption_encoder": held})
+    np.testing.assert_allclose(conditions["text"], ref["penultimate"][:2], atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(conditions["embedding"], ref["projected"][:2], atol=TOLERANCE, rtol=0)
+    moved = conditions_of({"caption_encoder": jax.tree.map(lambda w: 2 * w, held)})  # the step reads the collection
+    assert np.abs(np.asarray(moved["text"]) - ref["penultimate"][:2]).max() > 100 * TOLERANCE
+
+
+@pytest.mark.slow
+def test_checkpoints_leave_the_encoder_out_and_a_resumed_run_takes_it_again(encoders, tmp_path):
+    import optax
+
+    from dew.data.dataset import Dataset
+    from dew.training.checkpoints import Checkpoints
+    from dew.training.trainer import Trainer
+
+    condition = TextCondition(encoders["clip"])
+    data = Dataset.from_records(batch_of(condition, CAPTIONS * 4), batch=8)
+    trainer = Trainer(objective(condition), optax.adam(1e-3), key=jax.random.key(0),
+                      checkpoints=Checkpoints(tmp_path))
+    trainer.fit(data, steps=1, log_every=1, checkpoint_every=1)
+    saved, _, _ = Checkpoints(tmp_path).restore_variables()
+    assert sorted(saved) == ["params"]  # the encoder's weights are not in the checkpoint
+    resumed = Trainer(objective(condition), optax.adam(1e-3), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path))
+    state, _, step = resumed.restore_or_init()
+    assert step == 1
+    table = encoders["clip"].variables["params"]["token_embedding"]["embedding"]
+    np.testing.assert_array_equal(state.variables["caption_encoder"]["params"]["token_embedding"]["embedding"], table)

@@ -185,11 +185,17 @@ class HFTokenizer:
         return [encoding.ids for encoding in encodings]
 
     def decode(self, ids: Iterable[int] | np.ndarray, *, skip_special_tokens: bool = False) -> str:
-        """Text of `ids`, dropping padding; other special tokens stay unless asked to skip them."""
+        """Text of `ids`, dropping padding; other special tokens stay unless asked to skip them.
+
+        A BPE that marks word ends (CLIP's ``</w>``) has them turned back into spaces, as
+        transformers' CLIPTokenizer does, since its saved decoder keeps them.
+        """
         values = _id_list(ids)
         if self.pad_id is not None:
             values = [value for value in values if value != self.pad_id]
-        return self._tokenizer.decode(values, skip_special_tokens=skip_special_tokens)
+        text = self._tokenizer.decode(values, skip_special_tokens=skip_special_tokens)
+        word_end = getattr(self._tokenizer.model, "end_of_word_suffix", None)
+        return text.replace(word_end, " ").strip() if word_end else text
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

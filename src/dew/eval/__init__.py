@@ -1,4 +1,4 @@
-"""Evaluation: scoring a validation pass with metrics (perplexity, FID, PSNR, SSIM, probes), and
+"""Evaluation: scoring a validation pass with metrics (perplexity, FID, CLIPScore, PSNR, SSIM, probes), and
 DewLM, a decoder behind lm-eval-harness.
 
 Names resolve on first use, so importing `dew.eval` stays cheap.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dew._lazy import lazy_getattr
 
 _EXPORTS = {
+    "CLIPScore": "dew.eval.clip_score",
     "DewLM": "dew.eval.harness",
     "Evaluation": "dew.eval.evaluation",
     "EvaluationResult": "dew.eval.evaluation",
@@ -22,6 +23,7 @@ _EXPORTS = {
     "SSIM": "dew.eval.image_metrics",
     "frechet_distance": "dew.eval.image_metrics",
     "image_grid": "dew.eval.image_metrics",
+    "clip_pixels": "dew.eval.clip_score",
     "psnr": "dew.eval.image_metrics",
     "save_image_grid": "dew.eval.image_metrics",
     "ssim": "dew.eval.image_metrics",

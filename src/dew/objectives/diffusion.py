@@ -96,12 +96,33 @@ class DiffusionObjective(Objective):
             examples[name] = jnp.zeros((rows,) + tuple(field.shape), dtype)
         return examples
 
+    def _text_conditions(self) -> list[Any]:
+        return [field for field in self.inputs.conditions.values() if hasattr(field, "frozen_variables")]
+
+    @property
+    def variables(self) -> dict[str, Any] | None:
+        """The text encoders' weights, which a trainer passes to `init` as arguments rather than
+        baking them into the compiled init as constants (None without text conditions)."""
+        return {field.collection: field.encoder.variables for field in self._text_conditions()} or None
+
+    @property
+    def frozen_collections(self) -> tuple[str, ...]:
+        """The text encoders' collections (see `TextCondition`), beside any the model names."""
+        return super().frozen_collections + tuple(field.collection for field in self._text_conditions())
+
     def init(self, key, variables=None):
-        if variables is not None:
-            return variables
-        x = jnp.zeros((1,) + self.model_shape, jnp.float32)
-        conditions = self._condition_examples(1) or None
-        return self.model.init(key, x, jnp.zeros((1,), jnp.float32), conditions)
+        """The model's variables (``variables`` when they hold "params"), completed with each text
+        encoder's collection: from ``variables`` when given there (the trainer's held weights)."""
+        held = dict(variables or {})
+        if "params" in held:
+            initialized = held
+        else:
+            x = jnp.zeros((1,) + self.model_shape, jnp.float32)
+            conditions = self._condition_examples(1) or None
+            initialized = dict(self.model.init(key, x, jnp.zeros((1,), jnp.float32), conditions))
+        for field in self._text_conditions():
+            initialized[field.collection] = field.frozen_variables(held.get(field.collection))
+        return initialized
 
     def check(self, batch) -> None:
         super().check(batch)
@@ -117,8 +138,9 @@ class DiffusionObjective(Objective):
         x = to_unit_range(samples)
         return self.autoencoder.encode(x) if self.autoencoder is not None else x
 
-    def conditions_of(self, batch, key=None) -> dict[str, jax.Array] | None:
-        """The batch's conditions, with rows dropped to unconditional when `key` is given."""
+    def conditions_of(self, batch, key=None, variables=None) -> dict[str, jax.Array] | None:
+        """The batch's conditions, with rows dropped to unconditional when `key` is given; captions
+        are encoded with the text encoders' weights in `variables` (their frozen collections)."""
         if not self.conditional:
             return None
         conditions = {name: batch[name] for name in self.inputs.conditions if name in batch}
@@ -129,7 +151,8 @@ class DiffusionObjective(Objective):
         dropped = {}
         for name, field in self.inputs.conditions.items():
             if hasattr(field, "encode") and name in conditions:  # captions: encoded, dropped to the empty one
-                dropped.update(field.encode(conditions.pop(name), drop))
+                weights = (variables or {}).get(getattr(field, "collection", None))
+                dropped.update(field.encode(conditions.pop(name), drop, weights))
         if drop is None:
             return {**conditions, **dropped}
         for name, value in conditions.items():
@@ -145,7 +168,7 @@ class DiffusionObjective(Objective):
         x0 = self.to_model_space(batch[self.sample_field.key])
         example = self.process.training_example(noise_key, x0)
         x_in, noise_input = self.process.model_input(example.x_t, example.t)
-        conditions = self.conditions_of(batch, drop_key if drop else None)
+        conditions = self.conditions_of(batch, drop_key if drop else None, variables)
         output = self.model.apply(variables, x_in, noise_input, conditions)
         squared = (output.astype(jnp.float32) - example.target) ** 2
         per_example = jnp.mean(squared.reshape(squared.shape[0], -1), axis=1)
@@ -167,12 +190,14 @@ class DiffusionObjective(Objective):
             real = batch[self.sample_field.key]
             noise_key, solver_key = jax.random.split(sample_key)
             x_T = self.process.noise(noise_key, (real.shape[0],) + self.model_shape)
-            denoise = self.process.denoiser(self.model, variables, self.conditions_of(batch))
+            denoise = self.process.denoiser(self.model, variables, self.conditions_of(batch, variables=variables))
             drawn = sample(denoise, x_T, solver=Heun(), steps=self.evaluation_steps, key=solver_key)
             if self.autoencoder is not None:
                 drawn = self.autoencoder.decode(drawn)
             outputs["samples"] = jnp.clip(drawn, -1.0, 1.0)
             outputs["images"] = to_unit_range(real)
+            outputs.update({name: batch[name] for name, field in self.inputs.conditions.items()
+                            if hasattr(field, "encode") and name in batch})  # caption ids, for CLIPScore
         return outputs
 
     def settings(self) -> dict[str, Any]:

@@ -13,8 +13,14 @@ call convention:
                             projected) end-of-text state, for adaLN / pooled conditioning
 
 A row dropped for classifier-free guidance is encoded from the empty caption's ids, so the
-unconditional input is the empty prompt's encoding, as in Stable Diffusion. The encoder's weights
-stay outside the trained variables: they are constants of the step and get no gradient.
+unconditional input is the empty prompt's encoding, as in Stable Diffusion.
+
+The encoder's weights travel in the training state as the frozen collection named by `collection`
+(``"<key>_encoder"``, from `frozen_variables`), not as constants baked into the compiled step: a
+T5-XXL-sized encoder would otherwise inflate compile time and memory and could not be sharded. In
+the state they are sharded by their logical axis names like any weights, get no gradient or
+optimizer state, and checkpoints leave them out. `encode` without ``weights`` falls back to the
+encoder's own variables (drawing samples outside a training step).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 
 from dew.data.caption_tokens import CaptionTokens
 from dew.objectives.base import Field
@@ -113,13 +120,35 @@ class TextCondition:
         seen = jnp.cumsum(ids == self.eos_id, axis=-1)
         return (seen == 0) | ((seen == 1) & (ids == self.eos_id))
 
-    def encode(self, ids: jax.Array, drop: jax.Array | None = None) -> dict[str, jax.Array]:
-        """The conditions for ids [B, L]; rows where ``drop`` [B] is True read the empty caption."""
+    # --- the encoder's weights as a frozen collection of the training state ---------------------
+
+    @property
+    def collection(self) -> str:
+        """The variable collection that holds the encoder's weights in a training state."""
+        return f"{self.key}_encoder"
+
+    def frozen_variables(self, weights: Any = None) -> Any:
+        """The encoder's variables (``weights``, or its own) boxed with their logical axis names, so
+        a trainer shards them like the model's weights."""
+        weights = self.encoder.variables if weights is None else weights
+        abstract = jax.eval_shape(self.encoder.model.init, jax.random.key(0), jax.ShapeDtypeStruct((1,) + self.shape, jnp.int32))
+        boxed = lambda box, value: box.replace_boxed(value) if isinstance(box, meta.AxisMetadata) else value  # noqa: E731
+        return jax.tree.map(boxed, abstract, dict(weights), is_leaf=lambda leaf: isinstance(leaf, meta.AxisMetadata))
+
+    # --- ids -> conditions ---------------------------------------------------------------------
+
+    def encode(self, ids: jax.Array, drop: jax.Array | None = None, weights: Any = None) -> dict[str, jax.Array]:
+        """The conditions for ids [B, L]; rows where ``drop`` [B] is True read the empty caption.
+
+        ``weights`` are the encoder's variables from the training state (its `collection`); without
+        them the encoder's own variables are used, as constants of whatever traces this.
+        """
         ids = jnp.asarray(ids, jnp.int32)
         if drop is not None:
             ids = jnp.where(drop[:, None], self.unconditional_ids[None, :], ids)
         mask = self.token_mask(ids)
-        out = self.encoder.model.apply(self.encoder.variables, ids, mask.astype(jnp.int32) if self.mask else None)
+        weights = self.encoder.variables if weights is None else weights
+        out = self.encoder.model.apply(weights, ids, mask.astype(jnp.int32) if self.mask else None)
         out = jax.tree.map(jax.lax.stop_gradient, out)
         states = out if isinstance(out, jax.Array) else (out.penultimate if self.layer == "penultimate" else out.last)
         conditions = {"text": states}

@@ -54,9 +54,11 @@ def layer_norm(eps: float, name: str, *, dtype: Any, param_dtype: Any) -> nn.Lay
 
 
 class CLIPAttention(nn.Module):
-    """Multi-head causal self-attention with separate q/k/v/out projections (all with bias)."""
+    """Multi-head self-attention with separate q/k/v/out projections (all with bias); causal in the
+    text tower, over every patch in the image tower."""
 
     num_heads: int
+    causal: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -69,25 +71,26 @@ class CLIPAttention(nn.Module):
         def heads(name):
             return dense(features, ("embed", "heads"), name, **kw)(x).reshape(batch, length, self.num_heads, head_dim)
 
-        out = dot_product_attention(heads("q_proj"), heads("k_proj"), heads("v_proj"), causal=True, mask=mask)
+        out = dot_product_attention(heads("q_proj"), heads("k_proj"), heads("v_proj"), causal=self.causal, mask=mask)
         return dense(features, ("heads", "embed"), "out_proj", **kw)(out.reshape(batch, length, features))
 
 
 class CLIPEncoderLayer(nn.Module):
-    """x + attention(LN1(x)), then x + MLP(LN2(x))."""
+    """x + attention(LN1(x)), then x + MLP(LN2(x)); shared by the text and image towers."""
 
     num_heads: int
     intermediate_size: int
     hidden_act: str
     layer_norm_eps: float
+    causal: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        act = activation(self.hidden_act, "CLIPTextEncoder")
-        x = x + CLIPAttention(self.num_heads, name="self_attn", **kw)(layer_norm(self.layer_norm_eps, "layer_norm1", **kw)(x), mask)
+        act = activation(self.hidden_act, "CLIP")
+        x = x + CLIPAttention(self.num_heads, self.causal, name="self_attn", **kw)(layer_norm(self.layer_norm_eps, "layer_norm1", **kw)(x), mask)
         h = layer_norm(self.layer_norm_eps, "layer_norm2", **kw)(x)
         h = dense(self.intermediate_size, ("embed", "mlp"), "mlp/fc1", **kw)(h)
         return x + dense(x.shape[-1], ("mlp", "embed"), "mlp/fc2", **kw)(act(h))
