@@ -106,7 +106,8 @@ def test_rotation_spreads_an_outlier_channel_so_int8_keys_round_closer():
 
 def test_an_int8_cache_needs_a_power_of_two_head_dim_and_float8_takes_any():
     with pytest.raises(ValueError, match="power-of-two head_dim; got head_dim=12.*float8_e4m3fn"):
-        init_kv_cache(num_layers=1, batch_size=1, max_len=4, kv_heads=1, head_dim=12, quantized="int8")
+        init_kv_cache(num_layers=1, batch_size=1, max_len=4, kv_heads=1, head_dim=12,
+                      layout=KVCache(quantized="int8"))
     with pytest.raises(ValueError, match="power-of-two head_dim; got head_dim=12"):
         CausalTransformer(vocab_size=16, emb_features=48, num_layers=1, num_heads=4,
                           kv_cache=KVCache(quantized="int8"))
@@ -136,7 +137,7 @@ def test_cache_attention_over_codes_equals_attention_over_the_decoded_cache(quan
     v = _blocks(jax.random.key(6), (batch, 4, kv_heads, head_dim), outlier_channel=0)
     q = jax.random.normal(jax.random.key(7), (batch, 1, 4, head_dim))
     cache = init_kv_cache(num_layers=1, batch_size=batch, max_len=slots, kv_heads=kv_heads, head_dim=head_dim,
-                          quantized=quantized)
+                          layout=KVCache(quantized=quantized))
     k_cache, v_cache = write_kv(cache.k[0], cache.v[0], k, v, jnp.int32(0))
     assert k_cache.rotated == (quantized == "int8") and not v_cache.rotated
     kv_positions = write_positions(cache.positions, jnp.tile(jnp.arange(4), (batch, 1)), jnp.int32(0))
@@ -297,3 +298,70 @@ def test_a_server_refuses_an_int8_cache_for_a_head_dim_that_is_not_a_power_of_tw
     while not request.finished:
         server.step()
     assert len(request.tokens) == 3
+
+
+# --- dew serve --kv-cache ------------------------------------------------------------------------
+
+
+def test_dew_serve_kv_cache_flag_names_the_layout_the_server_takes():
+    from dew.cli.serve import cache_layout
+
+    assert cache_layout("dense") is None
+    assert cache_layout("int8") == KVCache(quantized="int8")
+    assert cache_layout("float8") == KVCache(quantized="float8_e4m3fn")
+    with pytest.raises(ValueError, match="'int4' is not a cache format; use one of dense, int8, float8"):
+        cache_layout("int4")
+
+
+@pytest.mark.slow
+def test_dew_serve_with_an_int8_cache_answers_what_local_int8_generation_draws(tmp_path):
+    """`dew serve --kv-cache int8` in a subprocess, asked over HTTP for a greedy completion."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    import dew
+    from dew.data import HFTokenizer
+    from dew.interop import PretrainedDecoder
+
+    tokenizer = HFTokenizer(Path(__file__).parent / "fixtures" / "tokenizers" / "tiny-tools")
+    model = CausalTransformer(vocab_size=tokenizer.vocab_size, emb_features=32, num_layers=1, num_heads=2,
+                              max_seq_len=64)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    PretrainedDecoder.from_model(model, {"params": variables["params"]}, tokenizer=tokenizer).save(tmp_path / "tiny")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(Path(dew.__file__).parents[1]))
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "dew.cli.main", "serve", str(tmp_path / "tiny"), "--port",
+                                str(port), "--name", "tiny", "--kv-cache", "int8"], stdout=log,
+                               stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "dew serve did not come up in 180 s"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.25)
+        prompt = "The trainer saves steps"
+        answer = httpx.post(url + "/v1/completions", timeout=120, json=dict(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0.0)).json()
+        local = dew.pipeline(tmp_path / "tiny")
+        int8 = TextGeneration(local.model.clone(kv_cache=KVCache(quantized="int8")), local.variables,
+                              processor=local.processor)
+        drawn = int8([prompt], 6, seed=0, sampling=Sampling(temperature=0.0)).host()
+        assert answer["choices"][0]["text"] == drawn.text[0] and drawn.text[0]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()

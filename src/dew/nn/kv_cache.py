@@ -155,14 +155,14 @@ def init_kv_cache(
     head_dim: int,
     dtype: Any = jnp.float32,
     stacked: bool = False,
-    quantized: str | None = None,
+    layout: KVCache | None = None,
 ) -> KVCache:
-    """An empty cache (zeros, every slot empty, every length 0).
+    """An empty cache (zeros, every slot empty, every length 0) in `layout` (None: dense).
 
-    ``dtype`` is the storage dtype of an unquantized cache; a `quantized` one stores its format's
+    ``dtype`` is the storage dtype of an unquantized cache; a quantized `layout` stores its format's
     codes and float32 scales (int8 raises here for a head_dim that is not a power of two).
     """
-    check_quantized(quantized)
+    quantized = None if layout is None else check_quantized(layout.quantized)
     check_head_dim(quantized, head_dim)
     k_shape = (batch_size * kv_heads, head_dim, max_len)
     v_shape = (batch_size * kv_heads, max_len, head_dim)

@@ -353,9 +353,9 @@ class CausalTransformer(nn.Module):
     attention_impl: str = "auto"
     scan_layers: bool = False
     remat: str | None = None
+    kv_cache: KVCache | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    kv_cache: KVCache | None = None
 
     def __post_init__(self):
         # hashable, immutable copies of the container settings (so the module can key a jit cache)
@@ -446,7 +446,7 @@ class CausalTransformer(nn.Module):
             num_layers=self.num_layers, batch_size=batch_size, max_len=max_len,
             kv_heads=self.kv_heads, head_dim=self.head_features,
             dtype=self.dtype if dtype is None else dtype, stacked=self.scan_layers,
-            quantized=None if self.kv_cache is None else self.kv_cache.quantized,
+            layout=self.kv_cache,
         )
 
     # --- forward ---------------------------------------------------------------------------------
