@@ -1,5 +1,7 @@
 """Quantized KV caches: the int8/e4m3 codec, the Hadamard rotation, and decoding through them."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,32 @@ def test_a_model_kv_cache_must_be_a_layout_without_arrays():
     cache = init_kv_cache(num_layers=1, batch_size=1, max_len=4, kv_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="layout without arrays"):
         CausalTransformer(vocab_size=16, emb_features=32, num_layers=1, num_heads=4, kv_cache=cache)
+
+
+@pytest.mark.parametrize("quantized", ["int8", "float8_e4m3fn"])
+def test_a_scanned_decoder_stacks_its_quantized_layers_and_decodes_close_to_dense(quantized):
+    model = CausalTransformer(vocab_size=32, emb_features=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                              max_seq_len=32, scan_layers=True)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    quant = model.clone(kv_cache=KVCache(quantized=quantized))
+    cache = quant.init_cache(2, 16)
+    assert isinstance(cache.k, Quantized) and cache.k.codes.shape == (3, 4, 8, 16)
+    assert cache.k.scales.shape == (3, 4, 1, 16) and cache.v.scales.shape == (3, 4, 16, 1)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def decode(model, cache):  # a prefill of 4, each row repeated twice, then one token a step
+        logits, cache = model.apply(variables, tokens[:, :4], cache=cache)
+        cache, rows = cache.repeat(2), jnp.repeat(tokens, 2, axis=0)
+        steps = [jnp.repeat(logits[:, -1], 2, axis=0)]
+        for t in range(4, 12):
+            logits, cache = model.apply(variables, rows[:, t:t + 1], cache=cache)
+            steps.append(logits[:, 0])
+        return jnp.stack(steps, 1)
+
+    dense = decode(model, model.init_cache(2, 16))
+    moved = jnp.abs(decode(quant, cache) - dense)
+    assert 0 < float(moved.max()) < 0.05 * float(jnp.abs(dense).max())
 
 
 # --- reading a quantized layer -------------------------------------------------------------------
