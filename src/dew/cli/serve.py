@@ -66,15 +66,9 @@ def run(
     if not hasattr(task, "model") or not hasattr(task.model, "init_cache"):
         raise ValueError(f"{source} serves a {type(task).__name__}; dew serve serves decoders (TextGeneration).")
     options = {}
-    if page_size is not None or pages is not None or kv_cache != "dense":
-        from dew.nn.kv_cache import KVCache
-
-        quantized = {"dense": None, "int8": "int8", "float8": "float8_e4m3fn"}[kv_cache]
-        try:
-            options["kv_cache"] = KVCache(page_size=page_size, pages=pages, quantized=quantized)
-        except TypeError:
-            raise ValueError("This Dew's KVCache has no paged or quantized layout; leave out --page-size, --pages "
-                             "and --kv-cache to serve with the dense cache.") from None
+    layout = cache_layout(kv_cache, page_size=page_size, pages=pages)
+    if layout is not None:
+        options["kv_cache"] = layout
     if chunk is not None:
         options["chunk"] = chunk
     if prefix_cache:
@@ -85,3 +79,22 @@ def run(
     app = create_app(engine, name=name, max_in_flight=max_in_flight)
     print(f"dew serve: {name} on http://{host}:{port} ({engine.slots} slots of {engine.capacity} tokens)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+QUANTIZED = {"dense": None, "int8": "int8", "float8": "float8_e4m3fn"}  # --kv-cache -> KVCache(quantized=)
+
+
+def cache_layout(kv_cache: str, *, page_size: int | None = None, pages: int | None = None):
+    """The `KVCache` layout `--kv-cache`, `--page-size` and `--pages` ask for (None: the dense default)."""
+    if kv_cache not in QUANTIZED:
+        raise ValueError(f"--kv-cache {kv_cache!r} is not a cache format; use one of {', '.join(QUANTIZED)}")
+    paging = {name: value for name, value in (("page_size", page_size), ("pages", pages)) if value is not None}
+    if not paging and kv_cache == "dense":
+        return None
+    from dew.nn.kv_cache import KVCache
+
+    try:
+        return KVCache(quantized=QUANTIZED[kv_cache], **paging)
+    except TypeError:
+        raise ValueError("This Dew's KVCache has no paged layout; leave out --page-size and --pages to serve "
+                         "with an unpaged cache.") from None

@@ -82,7 +82,7 @@ class Request:
 def _prefill(model, variables, cache, state, row, tokens, length, row_key, settings):
     """Prefill one prompt ``tokens [1, W]`` (its first `length` real) and seat it in row `row`."""
     width = tokens.shape[1]
-    local = model.init_cache(1, width, dtype=_cache_dtype(cache))
+    local = model.init_cache(1, width)  # the layout and dtype of the server's own cache
     positions = jnp.arange(width, dtype=jnp.int32)[None]
     logits, local = model.apply(variables, tokens, positions=positions, cache=local)
     local = local.truncate(length[None])  # forget the padding after the prompt
@@ -119,10 +119,6 @@ def _decode(model, variables, cache, state, *, steps):
         return cache, state, tokens[None], log_probs[None]
     (cache, state), (tokens, log_probs) = jax.lax.scan(one, (cache, state), None, length=steps)
     return cache, state, tokens, log_probs
-
-
-def _cache_dtype(cache) -> Any:
-    return (cache.k if cache.stacked else cache.k[0]).dtype
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("model",), donate_argnames=("cache", "state"))
@@ -174,13 +170,22 @@ class Server:
         prefix_cache: bool = False, decode_steps: int = 1,
     ) -> "Server":
         """A server for `task` with ``slots`` rows of ``capacity`` tokens, running ``decode_steps``
-        decode iterations per device call. The dense cache is the one built: ``kv_cache``,
-        ``chunk`` and ``prefix_cache`` (paged caches) are refused until they exist."""
-        if kv_cache is not None or chunk is not None or prefix_cache:
+        decode iterations per device call. ``kv_cache`` is a `KVCache` layout (``KVCache(quantized=
+        "int8")``) that replaces the task model's own; ``chunk`` and ``prefix_cache`` (paged caches)
+        are refused until they exist."""
+        if chunk is not None or prefix_cache:
             raise ValueError(
-                "Server serves the dense KV cache only: pass kv_cache=None, chunk=None and prefix_cache=False "
-                f"(got kv_cache={kv_cache!r}, chunk={chunk!r}, prefix_cache={prefix_cache!r})"
+                "Server serves unpaged KV caches only (dense or quantized): pass chunk=None and prefix_cache=False "
+                f"(got chunk={chunk!r}, prefix_cache={prefix_cache!r})"
             )
+        if kv_cache is not None:
+            if not hasattr(task.model, "kv_cache"):
+                raise ValueError(
+                    f"kv_cache= sets the layout of a CausalTransformer's cache; this task's model is a "
+                    f"{type(task.model).__name__}, which has none. Pass kv_cache=None"
+                )
+            # the model checks the layout (an int8 cache needs a power-of-two head_dim) before anything compiles
+            task = dataclasses.replace(task, model=task.model.clone(kv_cache=kv_cache))
         return cls(task, slots=slots, capacity=capacity, decode_steps=decode_steps)
 
     # --- requests --------------------------------------------------------------------------------

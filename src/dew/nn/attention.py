@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.checks import count
+from dew.nn.kv_quant import Quantized, rotate
 
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")
 
@@ -361,7 +362,18 @@ def cache_attention(
     float32 (or wider): the reference computation in the cache's layout, used whatever kernel the
     model names, since no fused kernel decodes from this layout. ``sinks [N]``: each head's sink
     logit (see `softmax_with_sinks`).
+
+    Keys or values stored `Quantized` (`dew.nn.kv_quant`) are read as their codes, and each slot's
+    scale multiplies what the product gives: a key's scale its score, a value's its softmax weight
+    (the same sums as dequantizing first, without a dequantized copy of the cache). Queries are
+    rotated by the Hadamard matrix the keys were stored under, if any.
     """
+    k_scales = v_scales = None
+    if isinstance(k_cache, Quantized):
+        q = rotate(q) if k_cache.rotated else q
+        k_cache, k_scales = k_cache.codes.astype(q.dtype), k_cache.scales  # scales [B * K, 1, S]
+    if isinstance(v_cache, Quantized):
+        v_cache, v_scales = v_cache.codes.astype(q.dtype), jnp.swapaxes(v_cache.scales, 1, 2)  # [B * K, 1, S]
     batch, q_len, heads, head_dim = q.shape
     rows, slots = v_cache.shape[0], v_cache.shape[1]
     if rows % batch or k_cache.shape != (rows, head_dim, slots) or v_cache.shape[2] != head_dim:
@@ -383,6 +395,8 @@ def cache_attention(
     logits = jnp.einsum(
         "nqh,nhs->nqs", qr, k_cache, precision=precision, preferred_element_type=accumulate
     ) * jnp.asarray(scale, accumulate)
+    if k_scales is not None:
+        logits = logits * k_scales
     mask = attention_mask(q_positions, kv_positions, causal=causal, window=window)  # [B, 1, T, S]
     mask = mask & (jnp.atleast_2d(kv_positions) >= 0)[:, None, None, :]
     mask = jnp.broadcast_to(mask[:, None], (batch, kv_heads, groups, q_len, slots))
@@ -392,6 +406,8 @@ def cache_attention(
         row_sinks = jnp.repeat(sinks.astype(accumulate).reshape(kv_heads, groups), q_len, axis=1)
         row_sinks = jnp.tile(row_sinks, (batch, 1))
     weights = softmax_with_sinks(logits, row_sinks)
+    if v_scales is not None:
+        weights = weights * v_scales
     out = jnp.einsum(
         "nqs,nsh->nqh", weights.astype(v_cache.dtype), v_cache, precision=precision,
         preferred_element_type=accumulate,

@@ -19,6 +19,11 @@ operand layouts of the two attention products, q k^T and p v, so reading the cac
 transpose and writing it needs no copy. An unscanned decoder keeps a tuple of them, one per
 layer; a decoder built with ``scan_layers`` keeps stacked arrays with a leading ``num_layers``
 axis so the scan slices them.
+
+``KVCache(quantized="int8")`` or ``KVCache(quantized="float8_e4m3fn")`` with no arrays is a layout,
+set as a decoder's ``kv_cache`` field: its `init_cache` then stores each layer's keys and values as
+`dew.nn.kv_quant.Quantized` blocks (eight-bit codes and a float32 scale per token and head, in
+the layouts above), `write_kv` encodes what it writes and `cache_attention` reads the codes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from dew.nn.kv_quant import Quantized, check_head_dim, check_quantized, rotates_keys, store
 
 EMPTY = -1  # the position recorded for a slot that holds no token
 
@@ -42,13 +49,22 @@ class KVCache:
       positions: ``[B, S]`` int32, the position of the token in each slot (-1 where empty).
       lengths: ``[B]`` int32, each row's next position (one past the last token it holds).
       index: ``[]`` int32, the first free slot (the same for every row), or ``[B]``, one per row.
+      quantized: None (keys and values in the compute dtype), "int8" or "float8_e4m3fn"
+        (`dew.nn.kv_quant`; each layer's k and v are then `Quantized` blocks).
+
+    With no arrays (``KVCache()``, ``KVCache(quantized="int8")``) it is a layout, which a decoder's
+    ``init_cache`` allocates.
     """
 
-    k: Any
-    v: Any
-    positions: jax.Array
-    lengths: jax.Array
-    index: jax.Array
+    k: Any = None
+    v: Any = None
+    positions: jax.Array | None = None
+    lengths: jax.Array | None = None
+    index: jax.Array | None = None
+    quantized: str | None = struct.field(pytree_node=False, default=None)
+
+    def __post_init__(self):
+        check_quantized(self.quantized)
 
     @property
     def stacked(self) -> bool:
@@ -104,8 +120,7 @@ class KVCache:
             lead = (zero,) * (big.ndim - 3)
             return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), lead + start)
 
-        k = put(self.k, other.k) if self.stacked else tuple(put(a, b) for a, b in zip(self.k, other.k))
-        v = put(self.v, other.v) if self.stacked else tuple(put(a, b) for a, b in zip(self.v, other.v))
+        k, v = jax.tree.map(put, self.k, other.k), jax.tree.map(put, self.v, other.v)  # codes and scales alike
         row_positions = jnp.full((1, self.max_len), EMPTY, jnp.int32).at[:, : other.max_len].set(other.positions)
         return self.replace(
             k=k, v=v,
@@ -124,8 +139,7 @@ class KVCache:
             rows = jnp.repeat(rows, n, axis=len(lead))
             return rows.reshape(lead + (batch * n * kv_heads,) + x.shape[-2:])
 
-        k = rep(self.k) if self.stacked else tuple(rep(x) for x in self.k)
-        v = rep(self.v) if self.stacked else tuple(rep(x) for x in self.v)
+        k, v = jax.tree.map(rep, self.k), jax.tree.map(rep, self.v)  # every layer, codes and scales alike
         return self.replace(
             k=k, v=v, positions=jnp.repeat(self.positions, n, axis=0),
             lengths=jnp.repeat(self.lengths, n, axis=0),
@@ -142,21 +156,34 @@ def init_kv_cache(
     value_dim: int | None = None,
     dtype: Any = jnp.float32,
     stacked: bool = False,
+    layout: KVCache | None = None,
 ) -> KVCache:
-    """An empty cache (zeros, every slot empty, every length 0); values are ``value_dim`` wide
-    (default: ``head_dim``; 0 for latent attention, whose values are read from its keys)."""
+    """An empty cache (zeros, every slot empty, every length 0) in `layout` (None: dense); values are
+    ``value_dim`` wide (default: ``head_dim``; 0 for latent attention, whose values are read from its keys).
+
+    ``dtype`` is the storage dtype of an unquantized cache; a quantized `layout` stores its format's
+    codes and float32 scales (int8 raises here for a head_dim that is not a power of two).
+    """
+    quantized = None if layout is None else check_quantized(layout.quantized)
+    check_head_dim(quantized, head_dim)
     value_dim = head_dim if value_dim is None else value_dim
     k_shape = (batch_size * kv_heads, head_dim, max_len)
     v_shape = (batch_size * kv_heads, max_len, value_dim)
+    lead = (num_layers,) if stacked else ()
+
+    def block(shape, head_dim_axis, rotated):
+        if quantized is None:
+            return jnp.zeros(lead + shape, dtype)
+        return Quantized.zeros(lead + shape, head_dim_axis, quantized, rotated=rotated)
+
     if stacked:
-        k = jnp.zeros((num_layers,) + k_shape, dtype)
-        v = jnp.zeros((num_layers,) + v_shape, dtype)
-    else:
-        k = tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers))
-        v = tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers))
+        k, v = block(k_shape, -2, rotates_keys(quantized)), block(v_shape, -1, False)
+    else:  # one buffer per layer (a donated cache must not hold one array twice)
+        k = tuple(block(k_shape, -2, rotates_keys(quantized)) for _ in range(num_layers))
+        v = tuple(block(v_shape, -1, False) for _ in range(num_layers))
     return KVCache(
         k=k, v=v, positions=jnp.full((batch_size, max_len), EMPTY, jnp.int32),
-        lengths=jnp.zeros((batch_size,), jnp.int32), index=jnp.zeros((), jnp.int32),
+        lengths=jnp.zeros((batch_size,), jnp.int32), index=jnp.zeros((), jnp.int32), quantized=quantized,
     )
 
 
@@ -167,12 +194,16 @@ def write_kv(
 
     ``k_cache`` is ``[B * KV, D, S]`` and ``v_cache`` ``[B * KV, S, D]``. With a scalar ``index``
     every row writes the same T slots; with ``index [B]`` row b writes from ``index[b]``. The
-    caller makes sure they fit (``index + T <= S``).
+    caller makes sure they fit (``index + T <= S``). A `Quantized` cache gets the tokens encoded
+    (keys rotated first where it rotates them), codes and scales written alike.
     """
-    batch, length, kv_heads, head_dim = k.shape
+    batch, length, kv_heads, _ = k.shape
     zero, start = jnp.int32(0), jnp.asarray(index, jnp.int32)
-    keys = k.transpose(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, length)
-    values = jnp.swapaxes(v, 1, 2).reshape(batch * kv_heads, length, v.shape[-1])
+    # [B, T, KV, D or 1] -> the caches' layouts (D is 1 for a Quantized block's scales; 0 for latent values)
+    keys = jax.tree.map(lambda x: x.transpose(0, 2, 3, 1).reshape(batch * kv_heads, x.shape[-1], length),
+                        store(k, k_cache))
+    values = jax.tree.map(lambda x: jnp.swapaxes(x, 1, 2).reshape(batch * kv_heads, length, x.shape[-1]),
+                          store(v, v_cache))
     if start.ndim == 1:  # a slot per row: one update per row, batched into a scatter
         def per_row(cache, new, layout):  # [B * KV, a, b] seen as [B, KV, a, b]
             rows = cache.reshape((batch, kv_heads) + cache.shape[1:])
@@ -180,11 +211,13 @@ def write_kv(
             put = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, layout(i)))
             return put(rows, new, start).reshape(cache.shape)
 
-        k_cache = per_row(k_cache, keys, lambda i: (zero, zero, i))
-        v_cache = per_row(v_cache, values, lambda i: (zero, i, zero))
+        k_cache = jax.tree.map(lambda c, n: per_row(c, n, lambda i: (zero, zero, i)), k_cache, keys)
+        v_cache = jax.tree.map(lambda c, n: per_row(c, n, lambda i: (zero, i, zero)), v_cache, values)
         return k_cache, v_cache
-    k_cache = jax.lax.dynamic_update_slice(k_cache, keys.astype(k_cache.dtype), (zero, zero, start))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, values.astype(v_cache.dtype), (zero, start, zero))
+    k_cache = jax.tree.map(
+        lambda c, n: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (zero, zero, start)), k_cache, keys)
+    v_cache = jax.tree.map(
+        lambda c, n: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (zero, start, zero)), v_cache, values)
     return k_cache, v_cache
 
 

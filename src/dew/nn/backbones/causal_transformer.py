@@ -35,6 +35,7 @@ from dew.nn import gpipe
 from dew.nn.attention import cache_attention, check_attention_impl
 from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_plan, resolve_mlp_plan
 from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv, write_positions
+from dew.nn.kv_quant import check_head_dim
 from dew.nn.moe import ROUTER_COLLECTION, Mixture
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 from dew.nn.sequence_parallel import split_length, token_rows
@@ -354,6 +355,8 @@ class CausalTransformer(nn.Module):
       scan_layers: run the layers with nn.scan (params stacked under ``layers/``).
       remat: None, "full", "minimal" or "save_qkv_proj"; "minimal_offloaded" and
         "save_qkv_proj_offloaded" keep the same residuals in pinned host memory.
+      kv_cache: the layout `init_cache` allocates, a `KVCache` without arrays
+        (``KVCache(quantized="int8")``); None is the dense cache in the compute dtype.
     """
 
     block_class: ClassVar[type[DecoderBlock]] = DecoderBlock
@@ -385,6 +388,7 @@ class CausalTransformer(nn.Module):
     attention_impl: str = "auto"
     scan_layers: bool = False
     remat: str | None = None
+    kv_cache: KVCache | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -422,6 +426,13 @@ class CausalTransformer(nn.Module):
         if self.head_features % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_features}")
         check_attention_impl(self.attention_impl)
+        if self.kv_cache is not None:
+            if not isinstance(self.kv_cache, KVCache) or self.kv_cache.k is not None:
+                raise ValueError(
+                    "kv_cache must be a KVCache layout without arrays, such as KVCache(quantized='int8') (an "
+                    f"allocated cache goes to apply(..., cache=)); got {type(self.kv_cache).__name__}"
+                )
+            check_head_dim(self.kv_cache.quantized, self.head_features)
         remat_policy(self.remat)
         rope_type(self.rope_scaling)
         plan = self.layer_plan
@@ -488,6 +499,7 @@ class CausalTransformer(nn.Module):
             num_layers=self.num_layers, batch_size=batch_size, max_len=max_len,
             kv_heads=self.kv_heads, head_dim=self.head_features,
             dtype=self.dtype if dtype is None else dtype, stacked=self.scan_layers,
+            layout=self.kv_cache,
         )
 
     # --- forward ---------------------------------------------------------------------------------
@@ -578,7 +590,7 @@ class CausalTransformer(nn.Module):
         logits = logits.reshape(batch, length, self.vocab_size).astype(jnp.float32)
         if cache is None:
             return logits
-        new_cache = KVCache(
+        new_cache = cache.replace(
             k=new_k, v=new_v, positions=slots[0], index=cache.index + length,
             lengths=jnp.max(positions, axis=1) + 1,
         )
