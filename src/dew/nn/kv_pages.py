@@ -1,0 +1,101 @@
+"""The paged layout of a `KVCache`: one pool of fixed-size pages shared by every row.
+
+A dense cache gives each row ``max_len`` slots of its own. A paged cache keeps, per layer, one pool
+of ``pages`` pages of ``page_size`` slots (keys ``[pages + 1, kv_heads, head_dim, page_size]``,
+values ``[pages + 1, kv_heads, page_size, head_dim]``) and a page table ``[B, pages_per_row]``
+naming the pool page that holds each row's slots ``j * page_size .. (j + 1) * page_size - 1``. A
+row still sees ``pages_per_row * page_size`` logical slots with a position each, so masking by
+position works as in the dense cache; only where a slot's key and value live changes.
+
+The extra last page of the pool is scratch: a table entry no request owns points at it, so a
+free row, a row writing past the pages it was given, or the padding of a prefill writes there
+and never into another row's page. Nothing reads scratch at a valid position of a live row.
+
+Attention gathers a row's pages into the dense layer layout (`gather_pages`) inside the compiled
+step, so the program depends only on the table's shape, never on which pages a row holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def pages_per_row(max_len: int, page_size: int) -> int:
+    """Table entries a row needs to hold `max_len` tokens."""
+    return math.ceil(max_len / page_size)
+
+
+def scratch_page(k_pool: jax.Array) -> int:
+    """The pool's scratch page: its last one."""
+    return int(k_pool.shape[-4]) - 1
+
+
+def slot_pages(page_table: jax.Array, slots: jax.Array, page_size: int, scratch: int) -> tuple[jax.Array, jax.Array]:
+    """The pool page and the offset in it of each logical slot ``slots [B, T]`` of its row.
+
+    A slot outside the row's table (the padding of a prefill near the end of a row) maps to scratch.
+    """
+    entries = page_table.shape[1]
+    entry = slots // page_size
+    inside = (entry >= 0) & (entry < entries)
+    page = jnp.take_along_axis(page_table, jnp.clip(entry, 0, entries - 1), axis=1)
+    return jnp.where(inside, page, scratch), slots % page_size
+
+
+def row_slots(index: jax.Array, batch: int, length: int) -> jax.Array:
+    """The logical slots ``[B, T]`` a call of `length` tokens writes from ``index`` (``[]`` or ``[B]``)."""
+    start = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (batch,))
+    return start[:, None] + jnp.arange(length, dtype=jnp.int32)
+
+
+def write_pages(
+    k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array, index: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Write ``k, v [B, T, KV, D]`` into one layer's pools at each row's slots ``index .. index + T - 1``.
+
+    ``k_pool`` is ``[pages + 1, KV, D, P]`` and ``v_pool`` ``[pages + 1, KV, P, D]``; the table says
+    which page holds each slot. One scatter per pool, whatever the rows' pages.
+    """
+    batch, length = k.shape[:2]
+    page_size = k_pool.shape[-1]
+    page, offset = slot_pages(page_table, row_slots(index, batch, length), page_size, scratch_page(k_pool))
+    # advanced indices around a slice put the [B, T] axes first: both targets are [B, T, KV, D]
+    k_pool = k_pool.at[page, :, :, offset].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.at[page, :, offset, :].set(v.astype(v_pool.dtype))
+    return k_pool, v_pool
+
+
+def gather_pages(k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's pages laid end to end in the dense layer layout: keys ``[B * KV, D, S]`` and
+    values ``[B * KV, S, D]``, ``S = pages_per_row * page_size``."""
+    batch, entries = page_table.shape
+    _, kv_heads, head_dim, page_size = k_pool.shape
+    keys = k_pool[page_table]  # [B, n, KV, D, P]
+    keys = keys.transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, head_dim, entries * page_size)
+    values = v_pool[page_table]  # [B, n, KV, P, D]
+    values = values.transpose(0, 2, 1, 3, 4).reshape(batch * kv_heads, entries * page_size, head_dim)
+    return keys, values
+
+
+def write_page_positions(positions: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """Record positions ``new [B, T]`` in ``positions [B, S]`` at slots ``index ..``; slots past
+    ``S`` (a prefill's padding) are dropped rather than moved back as a dynamic slice would."""
+    batch, length = new.shape
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    slots = row_slots(index, batch, length)
+    return positions.at[rows, slots].set(new.astype(jnp.int32), mode="drop")
+
+
+def init_page_pool(
+    *, pages: int, kv_heads: int, head_dim: int, page_size: int, num_layers: int, dtype, stacked: bool
+) -> tuple:
+    """Zeroed key and value pools of ``pages`` pages plus scratch, per layer or stacked."""
+    k_shape = (pages + 1, kv_heads, head_dim, page_size)
+    v_shape = (pages + 1, kv_heads, page_size, head_dim)
+    if stacked:
+        return jnp.zeros((num_layers,) + k_shape, dtype), jnp.zeros((num_layers,) + v_shape, dtype)
+    return (tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
+            tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)))
