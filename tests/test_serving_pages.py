@@ -1,6 +1,8 @@
 """A Server over a paged KV cache: pages, chunked prefill and shared prompt pages draw what each
 request draws alone, admission waits for pages, and traffic never recompiles the step."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -33,7 +35,6 @@ def test_paged_chunked_and_prefix_sharing_servers_draw_what_each_request_draws_a
     references = {}
     layouts = [
         dict(kv_cache=KVCache(page_size=8, pages=10)),  # 10 pages: 40% of the dense cache's 24, so requests queue
-        dict(kv_cache=KVCache(page_size=8, pages=10), chunk=8),
         dict(kv_cache=KVCache(page_size=8, pages=12), chunk=8, prefix_cache=True),
     ]
     for options in layouts:
@@ -156,3 +157,29 @@ def test_page_keys_cover_everything_before_a_page_and_released_pages_stay_cached
     assert pool.used == 0
     third = pool.grant(b, 8)  # 4 pages: the free one, then the cached ones, least recently used first
     assert len(third.fresh) == 4 and pool.grant(a, 1) is None
+
+
+def test_dew_serve_flags_build_a_paged_server_and_metrics_report_its_pages(tmp_path, monkeypatch):
+    uvicorn = pytest.importorskip("uvicorn")
+    from fastapi.testclient import TestClient
+
+    import dew.inference.http
+    from dew.cli import serve
+    from dew.data import HFTokenizer
+    from dew.interop import PretrainedDecoder
+    from dew.nn.backbones import CausalTransformer
+
+    tokenizer = HFTokenizer(Path(__file__).parent / "fixtures" / "tokenizers" / "tiny-tools")
+    model = CausalTransformer(vocab_size=tokenizer.vocab_size, emb_features=32, num_layers=1, num_heads=2,
+                              num_kv_heads=1, mlp_features=64, max_seq_len=64, qk_norm=False)
+    variables = model.init(jax.random.key(0), np.zeros((1, 4), np.int32))
+    PretrainedDecoder.from_model(model, {"params": variables["params"]}, tokenizer=tokenizer).save(tmp_path / "tiny")
+    built, create_app = [], dew.inference.http.create_app
+    monkeypatch.setattr(dew.inference.http, "create_app", lambda engine, **kw: built.append(engine) or create_app(engine, **kw))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.append(app))
+    serve.run(str(tmp_path / "tiny"), slots=2, capacity=48, page_size=8, pages=20, chunk=16, prefix_cache=True)
+    engine, app = built
+    assert (engine.page_size, engine.pages, engine.chunk, engine._pool.prefix_cache) == (8, 20, 16, True)
+    engine.submit(list(range(1, 12)), max_new_tokens=3, sampling=Sampling(), seed=0)  # 14 tokens: 2 pages
+    engine.step()
+    assert "dew_pages_used 2\n" in TestClient(app).get("/metrics").text

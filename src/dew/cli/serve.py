@@ -70,8 +70,10 @@ def run(
         from dew.nn.kv_cache import KVCache
 
         quantized = {"dense": None, "int8": "int8", "float8": "float8_e4m3fn"}[kv_cache]
+        layout = dict(page_size=page_size, pages=pages) if quantized is None else dict(
+            page_size=page_size, pages=pages, quantized=quantized)
         try:
-            options["kv_cache"] = KVCache(page_size=page_size, pages=pages, quantized=quantized)
+            options["kv_cache"] = KVCache(**layout)
         except TypeError:
             raise ValueError("This Dew's KVCache has no paged or quantized layout; leave out --page-size, --pages "
                              "and --kv-cache to serve with the dense cache.") from None
@@ -83,5 +85,7 @@ def run(
     engine = Server.from_task(task, slots=slots, capacity=capacity, **options)
     name = name or Path(str(source).rstrip("/")).name
     app = create_app(engine, name=name, max_in_flight=max_in_flight)
-    print(f"dew serve: {name} on http://{host}:{port} ({engine.slots} slots of {engine.capacity} tokens)", flush=True)
+    pool = f", a pool of {engine.pages} pages of {engine.page_size} tokens" if engine.paged else ""
+    print(f"dew serve: {name} on http://{host}:{port} ({engine.slots} slots of {engine.capacity} tokens{pool})",
+          flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -210,6 +210,7 @@ class Server:
             )
         self.chunk = None if chunk is None else count(chunk, "chunk (prompt tokens prefilled per step)")
         self._pool: PagePool | None = None
+        self.page_size = self.pages = None  # a paged server's page size and pool size
         if self.paged:
             entries = pages_per_row(self.capacity, layout.page_size)
             pages = self.slots * entries if layout.pages is None else layout.pages
@@ -220,6 +221,7 @@ class Server:
                     f"pages >= {entries} or a smaller capacity"
                 )
             layout = layout.replace(pages=pages)
+            self.page_size, self.pages = layout.page_size, pages
             self._pool = PagePool(pages, layout.page_size, prefix_cache=bool(prefix_cache))
             self._table = np.full((self.slots, entries), pages, np.int32)  # host copy; pages = scratch
         self.model, self.variables = task.weights.get(self.slots)
