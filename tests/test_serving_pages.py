@@ -100,6 +100,12 @@ def test_admission_waits_while_the_pool_is_full_and_proceeds_when_pages_come_bac
     while not second.finished:
         server.step()
     assert len(second.tokens) == 20 and server.stats()["pages_used"] == 0.0
+    cancelled = server.submit(list(range(3, 13)), max_new_tokens=20, sampling=Sampling(), seed=2)
+    server.step()
+    assert server.stats()["pages_used"] == 4.0
+    server.cancel(cancelled)
+    server.step()
+    assert server.stats()["pages_used"] == 0.0 and not cancelled.finished  # a cancelled request's pages come back
 
 
 def test_a_second_wave_of_paged_traffic_never_recompiles():

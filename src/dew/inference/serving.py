@@ -363,7 +363,7 @@ class Server:
             for request in requests:
                 self._pool.release(request.pages)
                 request.pages = ()
-            self._table[rows] = self._pool.pages  # every entry at the scratch page
+                self._table[request.row] = self._pool.pages  # every entry at the scratch page
             self._push_table()
 
     def _push_table(self) -> None:
@@ -489,11 +489,11 @@ class Server:
         """End every waiting and running request with `error` and empty the rows."""
         with self._lock:
             failed = list(self._queue) + [r for r in self._rows if r is not None]
-            rows = [row for row, r in enumerate(self._rows) if r is not None]
             held = [r for r in self._rows if r is not None]
             self._queue.clear()
             self._rows = [None] * self.slots
-        self._stop_rows(rows, held)
+        self._state = dict(self._state, live=jnp.zeros((self.slots,), bool))  # not read: a failed step may have eaten it
+        self._stop_rows([], held)
         for request in failed:
             if request.listener is not None:
                 request.listener(error)
