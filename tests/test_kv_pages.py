@@ -41,20 +41,20 @@ def test_a_paged_model_generates_what_the_dense_model_generates(scan_layers):
 
 def test_writes_land_in_the_page_the_table_names_and_past_the_table_in_scratch():
     pages, page_size = 5, 2
-    k_pool = jnp.zeros((pages + 1, 1, 1, page_size))
+    k_pool = jnp.zeros((pages + 1, 1, page_size, 1))  # [pages + scratch, kv_heads, page_size, head_dim]
     v_pool = jnp.zeros((pages + 1, 1, page_size, 1))
     table = jnp.asarray([[3, 1], [0, 4]], jnp.int32)  # row 0: slots 0-1 in page 3, 2-3 in page 1
     k = jnp.asarray([[10.0, 11.0, 12.0], [20.0, 21.0, 22.0]]).reshape(2, 3, 1, 1)
     index = jnp.asarray([1, 2], jnp.int32)  # row 0 writes slots 1-3; row 1 slots 2-4 (slot 4 past its table)
     k_pool, v_pool = kv_pages.write_pages(k_pool, v_pool, k, k + 100, table, index)
-    keys = np.asarray(k_pool)[:, 0, 0]
+    keys = np.asarray(k_pool)[:, 0, :, 0]
     np.testing.assert_array_equal(keys[3], [0, 10])
     np.testing.assert_array_equal(keys[1], [11, 12])
     np.testing.assert_array_equal(keys[4], [20, 21])
     np.testing.assert_array_equal(keys[pages], [22, 0])  # the slot past row 1's table went to scratch
     np.testing.assert_array_equal(np.asarray(v_pool)[4, 0, :, 0], [120, 121])
     seen_k, seen_v = kv_pages.gather_pages(k_pool, v_pool, table)
-    np.testing.assert_array_equal(np.asarray(seen_k)[:, 0], [[0, 10, 11, 12], [0, 0, 20, 21]])
+    np.testing.assert_array_equal(np.asarray(seen_k)[:, :, 0], [[0, 10, 11, 12], [0, 0, 20, 21]])
     np.testing.assert_array_equal(np.asarray(seen_v)[:, :, 0], [[0, 110, 111, 112], [0, 0, 120, 121]])
 
 

@@ -318,6 +318,7 @@ def cache_attention(
     window: int | jax.Array | None = None,
     scale: float | None = None,
     precision: Any = None,
+    keys_by_slot: bool = False,
 ) -> jax.Array:
     """Attention of ``q [B, T, N, H]`` over one layer of a `KVCache`; returns ``[B, T, N, H]``.
 
@@ -327,11 +328,13 @@ def cache_attention(
     `dot_product_attention` decide what a query sees (causal, window), by position rather than by
     slot. Both products read the cache where it lies, and scores and softmax are accumulated in
     float32 (or wider): the reference computation in the cache's layout, used whatever kernel the
-    model names, since no fused kernel decodes from this layout.
+    model names, since no fused kernel decodes from this layout. ``keys_by_slot``: keys come
+    ``[B * K, S, H]`` like the values (a paged cache's gathered pages, `dew.nn.kv_pages`).
     """
     batch, q_len, heads, head_dim = q.shape
     rows, slots = v_cache.shape[0], v_cache.shape[1]
-    if rows % batch or k_cache.shape != (rows, head_dim, slots) or v_cache.shape[2] != head_dim:
+    key_shape = (rows, slots, head_dim) if keys_by_slot else (rows, head_dim, slots)
+    if rows % batch or k_cache.shape != key_shape or v_cache.shape[2] != head_dim:
         raise ValueError(
             f"for q {q.shape} the cache must hold keys [batch * kv_heads, {head_dim}, slots] and values "
             f"[batch * kv_heads, slots, {head_dim}]; got keys {k_cache.shape}, values {v_cache.shape}"
@@ -347,7 +350,8 @@ def cache_attention(
     qr = q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
     qr = qr.reshape(rows, groups * q_len, head_dim).astype(k_cache.dtype)
     logits = jnp.einsum(
-        "nqh,nhs->nqs", qr, k_cache, precision=precision, preferred_element_type=accumulate
+        "nqh,nsh->nqs" if keys_by_slot else "nqh,nhs->nqs", qr, k_cache, precision=precision,
+        preferred_element_type=accumulate,
     ) * jnp.asarray(scale, accumulate)
     mask = attention_mask(q_positions, kv_positions, causal=causal, window=window)  # [B, 1, T, S]
     mask = mask & (jnp.atleast_2d(kv_positions) >= 0)[:, None, None, :]

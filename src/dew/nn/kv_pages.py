@@ -1,8 +1,8 @@
 """The paged layout of a `KVCache`: one pool of fixed-size pages shared by every row.
 
 A dense cache gives each row ``max_len`` slots of its own. A paged cache keeps, per layer, one pool
-of ``pages`` pages of ``page_size`` slots (keys ``[pages + 1, kv_heads, head_dim, page_size]``,
-values ``[pages + 1, kv_heads, page_size, head_dim]``) and a page table ``[B, pages_per_row]``
+of ``pages`` pages of ``page_size`` slots (keys and values both ``[pages + 1, kv_heads, page_size,
+head_dim]``) and a page table ``[B, pages_per_row]``
 naming the pool page that holds each row's slots ``j * page_size .. (j + 1) * page_size - 1``. A
 row still sees ``pages_per_row * page_size`` logical slots with a position each, so masking by
 position works as in the dense cache; only where a slot's key and value live changes.
@@ -11,8 +11,12 @@ The extra last page of the pool is scratch: a table entry no request owns points
 free row, a row writing past the pages it was given, or the padding of a prefill writes there
 and never into another row's page. Nothing reads scratch at a valid position of a live row.
 
-Attention gathers a row's pages into the dense layer layout (`gather_pages`) inside the compiled
-step, so the program depends only on the table's shape, never on which pages a row holds.
+Attention gathers a row's pages into one ``[B * kv_heads, slots, head_dim]`` array each for keys
+and values (`gather_pages`) inside the compiled step, so the program depends only on the table's
+shape, never on which pages a row holds. Keys are stored slot-major like values, unlike the dense
+cache's ``[.., head_dim, slots]``: laying a row's pages end to end then moves whole ``page_size x
+head_dim`` blocks, where the dense key layout would interleave every page's columns (on XLA:CPU,
+one layer of 8 rows of 512 slots: 0.3 ms against 6.7 ms, one measurement on a busy machine).
 """
 
 from __future__ import annotations
@@ -56,28 +60,30 @@ def write_pages(
 ) -> tuple[jax.Array, jax.Array]:
     """Write ``k, v [B, T, KV, D]`` into one layer's pools at each row's slots ``index .. index + T - 1``.
 
-    ``k_pool`` is ``[pages + 1, KV, D, P]`` and ``v_pool`` ``[pages + 1, KV, P, D]``; the table says
-    which page holds each slot. One scatter per pool, whatever the rows' pages.
+    Both pools are ``[pages + 1, KV, P, D]``; the table says which page holds each slot. One
+    scatter per pool, whatever the rows' pages.
     """
     batch, length = k.shape[:2]
-    page_size = k_pool.shape[-1]
+    page_size = k_pool.shape[-2]
     page, offset = slot_pages(page_table, row_slots(index, batch, length), page_size, scratch_page(k_pool))
     # advanced indices around a slice put the [B, T] axes first: both targets are [B, T, KV, D]
-    k_pool = k_pool.at[page, :, :, offset].set(k.astype(k_pool.dtype))
+    k_pool = k_pool.at[page, :, offset, :].set(k.astype(k_pool.dtype))
     v_pool = v_pool.at[page, :, offset, :].set(v.astype(v_pool.dtype))
     return k_pool, v_pool
 
 
 def gather_pages(k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's pages laid end to end in the dense layer layout: keys ``[B * KV, D, S]`` and
-    values ``[B * KV, S, D]``, ``S = pages_per_row * page_size``."""
+    """Each row's pages laid end to end: keys and values ``[B * KV, S, D]``, ``S = pages_per_row *
+    page_size`` (every table entry names a pool page, so the gather need not check bounds)."""
     batch, entries = page_table.shape
-    _, kv_heads, head_dim, page_size = k_pool.shape
-    keys = k_pool[page_table]  # [B, n, KV, D, P]
-    keys = keys.transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, head_dim, entries * page_size)
-    values = v_pool[page_table]  # [B, n, KV, P, D]
-    values = values.transpose(0, 2, 1, 3, 4).reshape(batch * kv_heads, entries * page_size, head_dim)
-    return keys, values
+    _, kv_heads, page_size, head_dim = k_pool.shape
+
+    def rows(pool):  # [pages + 1, KV, P, D] -> [B, n, KV, P, D] -> [B * KV, n * P, D]
+        pages = jnp.take(pool, page_table.reshape(-1), axis=0, mode="clip")
+        pages = pages.reshape(batch, entries, kv_heads, page_size, head_dim).transpose(0, 2, 1, 3, 4)
+        return pages.reshape(batch * kv_heads, entries * page_size, head_dim)
+
+    return rows(k_pool), rows(v_pool)
 
 
 def write_page_positions(positions: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
@@ -93,8 +99,7 @@ def init_page_pool(
     *, pages: int, kv_heads: int, head_dim: int, page_size: int, num_layers: int, dtype, stacked: bool
 ) -> tuple:
     """Zeroed key and value pools of ``pages`` pages plus scratch, per layer or stacked."""
-    k_shape = (pages + 1, kv_heads, head_dim, page_size)
-    v_shape = (pages + 1, kv_heads, page_size, head_dim)
+    k_shape = v_shape = (pages + 1, kv_heads, page_size, head_dim)
     if stacked:
         return jnp.zeros((num_layers,) + k_shape, dtype), jnp.zeros((num_layers,) + v_shape, dtype)
     return (tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),

@@ -189,7 +189,7 @@ class SelfAttention(nn.Module):
                 seen_k, seen_v = kv_pages.gather_pages(cache_k, cache_v, page_table)
             out = cache_attention(
                 q, seen_k, seen_v, q_positions=positions, kv_positions=kv_positions,
-                causal=self.causal, window=window,
+                causal=self.causal, window=window, keys_by_slot=page_table is not None,
             )
             new_cache = (cache_k, cache_v)
 
