@@ -8,6 +8,11 @@ process (benchmarks/harness.py):
 
 - Dew's `Server` (dense cache, 16 slots of 608 tokens): every request submitted, then `step()` until
   all finish; a request's time to first token is when its first token reached the host.
+- Dew's `Server` over a paged cache (`--paged`): pages of 16 tokens in a pool of 40% of the dense
+  cache's pages (requests queue for pages); the same with the dense cache's pages and chunk=64
+  (chunked prefill); and a shared-prefix load, every prompt behind the same 256 tokens, served
+  paged with and without prefix_cache. Each must draw the dense Server's tokens (the prefix load:
+  each other's).
 - Dew's static batches: `generate` over the requests 16 at a time in arrival order (prompts padded
   to the batch's longest); a request's first token is visible when its batch's call returns.
 - transformers' continuous batching, `model.generate_batch` (its defaults), at torch's default thread
@@ -19,7 +24,7 @@ the requests of every window. Dew's two sides must draw the same tokens (greedy)
 requests that agree with transformers token for token is reported too (random weights leave
 near-ties, so a late parting is rounding). Prints one JSON line.
 
-    .venv-ref/bin/python benchmarks/serve.py --dew-python .venv/bin/python [--quick] [--repeats 3]
+    .venv-ref/bin/python benchmarks/serve.py --dew-python .venv/bin/python [--quick] [--repeats 3] [--paged]
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from lm_decode import CONFIG
 SERVE_CONFIG = {**CONFIG, "max_position_embeddings": 1024}
 FULL = dict(requests=48, shortest=32, longest=480, new=128, slots=16)
 QUICK = dict(requests=12, shortest=8, longest=96, new=16, slots=4)
+PAGE_SIZE, PAGED_SHARE, CHUNK, SHARED_PREFIX = 16, 0.4, 64, 256
+PAGED_SIDES = ("paged", "chunked", "prefix", "no_prefix")
 
 
 def build_checkpoint(directory: str) -> None:
@@ -53,8 +60,12 @@ def build_checkpoint(directory: str) -> None:
     model.save_pretrained(directory)
 
 
-def load_prompts(workdir: Path) -> list[list[int]]:
-    return json.loads((workdir / "prompts.json").read_text())
+def load_prompts(workdir: Path, shared_prefix: bool = False) -> list[list[int]]:
+    prompts = json.loads((workdir / "prompts.json").read_text())
+    if shared_prefix:
+        prefix = np.random.default_rng(1).integers(0, SERVE_CONFIG["vocab_size"], SHARED_PREFIX).tolist()
+        prompts = [prefix + prompt for prompt in prompts]
+    return prompts
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -62,27 +73,40 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 class DewSide(harness.Runner):
-    """The Server or static `generate` batches over the same load."""
+    """The Server (dense or paged) or static `generate` batches over the same load."""
 
-    def __init__(self, workdir: Path, load: dict, static: bool):
+    def __init__(self, workdir: Path, load: dict, side: str):
         import jax
         import jax.numpy as jnp
 
         from dew.inference import TextGeneration
         from dew.inference.serving import Server
         from dew.interop import PretrainedDecoder
+        from dew.nn.kv_cache import KVCache
         from dew.sampling import Sampling, generate
 
         bundle = PretrainedDecoder.load(str(workdir / "checkpoint"), dtype=jnp.float32)
         self.task = TextGeneration(bundle.model, bundle.variables)
-        self.prompts, self.load, self.static, self.workdir = load_prompts(workdir), load, static, workdir
+        shared = side in ("prefix", "no_prefix")
+        self.prompts, self.load, self.workdir = load_prompts(workdir, shared), load, workdir
+        self.side, self.static = side, side == "static"
         self.greedy, self.generate, self.jax = Sampling(temperature=0.0), generate, jax
         self.first_token_s: list[float] = []
-        if not static:
-            self.server = Server.from_task(self.task, slots=load["slots"], capacity=load["longest"] + load["new"])
+        capacity = load["longest"] + load["new"] + (SHARED_PREFIX if shared else 0)
+        dense_pages = load["slots"] * -(-capacity // PAGE_SIZE)
+        options = {
+            "server": {},
+            "paged": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=int(PAGED_SHARE * dense_pages))),
+            "chunked": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages), chunk=CHUNK),
+            "prefix": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages), prefix_cache=True),
+            "no_prefix": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages)),
+        }
+        if not self.static:
+            self.server = Server.from_task(self.task, slots=load["slots"], capacity=capacity, **options[side])
         self.tokens = self.serve()[1]  # compiles every program the load needs
         self.first_token_s.clear()
-        self.info = {"side": "static" if static else "server", "jax": jax.__version__}
+        self.info = {"side": side, "jax": jax.__version__, "pages": getattr(self.server, "pages", None)
+                     if not self.static else None}
 
     def serve(self) -> tuple[float, list[list[int]]]:
         return self.serve_static() if self.static else self.serve_continuous()
@@ -117,8 +141,11 @@ class DewSide(harness.Runner):
         return seconds, len(self.prompts) * self.load["new"]
 
     def finish(self):
-        np.save(self.workdir / f"tokens_{'static' if self.static else 'server'}.npy", np.asarray(self.tokens))
-        return {"first_token_s": percentiles(self.first_token_s)}
+        np.save(self.workdir / f"tokens_{self.side}.npy", np.asarray(self.tokens))
+        finished = {"first_token_s": percentiles(self.first_token_s)}
+        if self.side == "prefix":
+            finished["reused_prompt_tokens"] = self.server._pool.reused_tokens
+        return finished
 
 
 class TransformersSide(harness.Runner):
@@ -168,7 +195,7 @@ def worker(config: dict) -> harness.Runner:
 
             torch.set_num_threads(config["threads"])
         return TransformersSide(workdir, load, keep_tokens=config.get("loss_run", False))
-    return DewSide(workdir, load, static=config["side"] == "static")
+    return DewSide(workdir, load, config["side"])
 
 
 def agreement(a: np.ndarray, b: np.ndarray) -> dict:
@@ -184,7 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small load (12 requests of 8-96 tokens, 16 draws, 4 slots)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-peer", action="store_true", help="time Dew's two sides only")
+    parser.add_argument("--no-peer", action="store_true", help="time Dew's sides only")
+    parser.add_argument("--paged", action="store_true", help="add the paged, chunked and shared-prefix Server sides")
     parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew sides")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the transformers side")
     parser.add_argument("--build-checkpoint", help=argparse.SUPPRESS)  # run in its own process by main
@@ -206,6 +234,9 @@ def main() -> None:
         sides = [harness.side("dew Server", "dew", script, [], {**config, "side": "server"}, python=args.dew_python),
                  harness.side("dew static generate", "reference", script, [], {**config, "side": "static"},
                               python=args.dew_python, env=harness.dew_environment())]
+        if args.paged:
+            sides += [harness.side(f"dew Server {name}", "reference", script, [], {**config, "side": name},
+                                   python=args.dew_python, env=harness.dew_environment()) for name in PAGED_SIDES]
         if not args.no_peer:
             sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=False,
                                          python=args.peer_python, label="transformers generate_batch")
@@ -217,6 +248,14 @@ def main() -> None:
                                     **(outcome.finished or {}), "info": outcome.info}
         server, static = np.load(workdir / "tokens_server.npy"), np.load(workdir / "tokens_static.npy")
         record["server_vs_static"] = agreement(server, static)
+        if args.paged:
+            rates = {o.name: o.rate for o in result.outcomes}
+            for name in ("paged", "chunked"):
+                record[f"{name}_vs_server"] = agreement(np.load(workdir / f"tokens_{name}.npy"), server)
+                record[f"{name}_over_server"] = rates[f"dew Server {name}"] / result.dew.rate
+            prefix, no_prefix = (np.load(workdir / f"tokens_{name}.npy") for name in ("prefix", "no_prefix"))
+            record["prefix_vs_no_prefix"] = agreement(prefix, no_prefix)
+            record["prefix_over_no_prefix"] = rates["dew Server prefix"] / rates["dew Server no_prefix"]
         if (workdir / "tokens_hf.npy").exists():
             record["server_vs_transformers"] = agreement(server, np.load(workdir / "tokens_hf.npy"))
         static_rate = next(o.rate for o in result.outcomes if o.name == "dew static generate")

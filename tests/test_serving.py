@@ -178,7 +178,7 @@ def test_bad_requests_and_sizes_raise_before_anything_compiles(task):
         Server.from_task(task, slots=2, capacity=65)
     with pytest.raises(ValueError, match="slots"):
         Server.from_task(task, slots=0, capacity=32)
-    with pytest.raises(ValueError, match="unpaged KV caches only"):
+    with pytest.raises(ValueError, match="work on pages"):
         Server.from_task(task, slots=2, capacity=32, prefix_cache=True)
     server = Server.from_task(task, slots=2, capacity=32)
     compiled = serving._prefill_jit._cache_size(), serving._decode_jit._cache_size()

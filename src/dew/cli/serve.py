@@ -77,7 +77,9 @@ def run(
     engine = Server.from_task(task, slots=slots, capacity=capacity, **options)
     name = name or Path(str(source).rstrip("/")).name
     app = create_app(engine, name=name, max_in_flight=max_in_flight)
-    print(f"dew serve: {name} on http://{host}:{port} ({engine.slots} slots of {engine.capacity} tokens)", flush=True)
+    pool = f", a pool of {engine.pages} pages of {engine.page_size} tokens" if engine.paged else ""
+    print(f"dew serve: {name} on http://{host}:{port} ({engine.slots} slots of {engine.capacity} tokens{pool})",
+          flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
@@ -93,8 +95,4 @@ def cache_layout(kv_cache: str, *, page_size: int | None = None, pages: int | No
         return None
     from dew.nn.kv_cache import KVCache
 
-    try:
-        return KVCache(quantized=QUANTIZED[kv_cache], **paging)
-    except TypeError:
-        raise ValueError("This Dew's KVCache has no paged layout; leave out --page-size and --pages to serve "
-                         "with an unpaged cache.") from None
+    return KVCache(quantized=QUANTIZED[kv_cache], **paging)

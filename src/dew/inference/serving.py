@@ -12,6 +12,13 @@ A request draws exactly what `TextGeneration` draws for it alone with the same s
 the key of row 0 of a one-prompt call (`fold_in(fold_in(key(seed), 0), 0)`), step t draws with
 ``fold_in(row_key, t)``, and its row attends only to its own tokens, by position.
 
+With a paged cache (``kv_cache=KVCache(page_size=..., pages=...)``) the rows share one pool of
+pages (`dew.nn.kv_pages`): a request is admitted once a row is free and the pool can hold its prompt
+and budget (`dew.inference.page_pool`), its prompt is written straight into its pages, and its pages
+go back when it ends. ``chunk`` prefills a long prompt ``chunk`` tokens per step while the other
+rows keep decoding; ``prefix_cache`` lets a request read the full prompt pages of earlier requests
+that began with the same tokens instead of computing them again.
+
 `submit` and `step` drive the server by hand (tests, benchmarks); `start` runs the same steps as
 an asyncio task, and `generate` streams one request's `TokenEvent`s to whoever awaits them.
 """
@@ -32,8 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.checks import count
+from dew.inference.page_pool import PagePool
 from dew.inference.text import TextGeneration
 from dew.nn.backbones.causal_transformer import check_tokens
+from dew.nn.kv_cache import EMPTY, KVCache, check_layout
+from dew.nn.kv_pages import pages_per_row
 from dew.sampling.rows import RowSampling, choose_row_tokens
 from dew.sampling.text import Sampling, _row_keys, padded_width
 
@@ -67,6 +77,9 @@ class Request:
         self.seed = seed
         self.events: list[TokenEvent] = []
         self.row: int | None = None
+        self.pages: tuple[int, ...] = ()  # a paged server's pool pages for this request, in prompt order
+        self.prefilled = 0  # prompt tokens in the cache so far (paged: chunked or read from shared pages)
+        self.weights = 0  # which weights (Server reloads) wrote its first prompt pages
         self.cancelled = False
         self.listener: Any = None  # called with each TokenEvent (the asyncio bridge of `generate`)
 
@@ -98,6 +111,34 @@ def _prefill(model, variables, cache, state, row, tokens, length, row_key, setti
     return cache, state
 
 
+def _prefill_pages(model, variables, cache, state, row, tokens, start, stop, final, row_key, settings):
+    """Prefill prompt tokens ``start .. stop - 1`` (``tokens [1, W]``, the first ``stop - start``
+    real) straight into row `row`'s pages, after the ``start`` its pages already hold. The row
+    decodes from the next step once the `final` piece is in."""
+    width = tokens.shape[1]
+    slots = jnp.arange(cache.max_len, dtype=jnp.int32)  # a paged row's slot s holds position s
+    one = cache.replace(
+        positions=jnp.where(slots < start, slots, EMPTY)[None], lengths=start[None], index=start[None],
+        page_table=jax.lax.dynamic_slice_in_dim(cache.page_table, row, 1),
+    )
+    positions = start + jnp.arange(width, dtype=jnp.int32)[None]
+    logits, one = model.apply(variables, tokens, positions=positions, cache=one)
+    one = one.truncate(stop[None])  # forget the padding after the piece
+    cache = cache.replace(
+        k=one.k, v=one.v, positions=cache.positions.at[row].set(one.positions[0]),
+        lengths=cache.lengths.at[row].set(stop), index=cache.index.at[row].set(stop),
+    )
+    state = dict(
+        state,
+        logits=state["logits"].at[row].set(logits[0, stop - start - 1]),
+        keys=state["keys"].at[row].set(row_key),
+        drawn=state["drawn"].at[row].set(0),
+        live=state["live"].at[row].set(final),
+        settings=state["settings"].set_row(row, settings),
+    )
+    return cache, state
+
+
 def _decode(model, variables, cache, state, *, steps):
     """`steps` decode iterations over every row: draw from the logits, feed the token, keep the next logits."""
 
@@ -114,14 +155,24 @@ def _decode(model, variables, cache, state, *, steps):
         live = live & (cache.lengths < cache.max_len)  # a row that filled its slots stops until reseated
         return (cache, dict(state, logits=logits[:, 0], drawn=drawn, live=live)), (tokens, log_probs)
 
+    table = cache.page_table
+    if cache.paged:  # a row not decoding (free, or mid-prefill) writes to the scratch page only
+        cache = cache.replace(page_table=jnp.where(state["live"][:, None], table, cache.pages))
     if steps == 1:  # one iteration needs no loop
         (cache, state), (tokens, log_probs) = one((cache, state), None)
-        return cache, state, tokens[None], log_probs[None]
-    (cache, state), (tokens, log_probs) = jax.lax.scan(one, (cache, state), None, length=steps)
-    return cache, state, tokens, log_probs
+        tokens, log_probs = tokens[None], log_probs[None]
+    else:
+        (cache, state), (tokens, log_probs) = jax.lax.scan(one, (cache, state), None, length=steps)
+    return cache.replace(page_table=table), state, tokens, log_probs
+
+
+def _request_key(request: Request) -> jax.Array:
+    """The key `TextGeneration` gives this request's prompt when it runs alone with its seed."""
+    return _row_keys(jax.random.key(request.seed), 1, 1)[0]
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("model",), donate_argnames=("cache", "state"))
+_prefill_pages_jit = jax.jit(_prefill_pages, static_argnames=("model",), donate_argnames=("cache", "state"))
 _decode_jit = jax.jit(_decode, static_argnames=("model", "steps"), donate_argnames=("cache", "state"))
 
 
@@ -132,7 +183,8 @@ class Server:
     ``capacity`` tokens; `submit` (and `generate`) refuse one that does not before anything runs.
     """
 
-    def __init__(self, task: TextGeneration, *, slots: int, capacity: int, decode_steps: int = 1):
+    def __init__(self, task: TextGeneration, *, slots: int, capacity: int, decode_steps: int = 1,
+                 kv_cache: KVCache | None = None, chunk: int | None = None, prefix_cache: bool = False):
         if not isinstance(task, TextGeneration):
             raise TypeError(f"Server serves a dew.inference.TextGeneration; got {type(task).__name__}.")
         self.task = task
@@ -145,8 +197,42 @@ class Server:
                 f"capacity={self.capacity} is more than the model's max_seq_len={max_seq_len}: a row "
                 f"cannot hold more tokens than the model has positions; pass capacity <= {max_seq_len}"
             )
+        layout = getattr(task.model, "kv_cache", None) if kv_cache is None else check_layout(kv_cache)
+        if kv_cache is not None:
+            if not hasattr(task.model, "kv_cache"):
+                raise ValueError(
+                    f"kv_cache= sets the layout of a CausalTransformer's cache; this task's model is a "
+                    f"{type(task.model).__name__}, which has none. Pass kv_cache=None"
+                )
+            # the model stores what the server's cache stores (its one-row prefills included); building
+            # it checks the layout (an int8 cache needs a power-of-two head_dim) before anything compiles
+            storage = KVCache(quantized=kv_cache.quantized) if kv_cache.quantized else None
+            task = dataclasses.replace(task, model=task.model.clone(kv_cache=storage))
+            self.task = task
+        self.paged = layout is not None and layout.paged
+        if not self.paged and (chunk is not None or prefix_cache):
+            raise ValueError(
+                f"chunk={chunk!r} and prefix_cache={prefix_cache!r} work on pages: pass a paged cache, e.g. "
+                "kv_cache=KVCache(page_size=16, pages=...), or leave chunk=None and prefix_cache=False"
+            )
+        self.chunk = None if chunk is None else count(chunk, "chunk (prompt tokens prefilled per step)")
+        self._pool: PagePool | None = None
+        self.page_size = self.pages = None  # a paged server's page size and pool size
+        if self.paged:
+            entries = pages_per_row(self.capacity, layout.page_size)
+            pages = self.slots * entries if layout.pages is None else layout.pages
+            if pages < entries:
+                raise ValueError(
+                    f"a pool of {pages} pages of {layout.page_size} tokens holds {pages * layout.page_size} "
+                    f"tokens, fewer than one request of capacity={self.capacity} needs ({entries} pages); pass "
+                    f"pages >= {entries} or a smaller capacity"
+                )
+            layout = layout.replace(pages=pages)
+            self.page_size, self.pages = layout.page_size, pages
+            self._pool = PagePool(pages, layout.page_size, prefix_cache=bool(prefix_cache))
+            self._table = np.full((self.slots, entries), pages, np.int32)  # host copy; pages = scratch
         self.model, self.variables = task.weights.get(self.slots)
-        cache = self.model.init_cache(self.slots, self.capacity)
+        cache = self.model.init_cache(self.slots, self.capacity, layout=layout, rows_own_pages=False)
         self._cache = cache.replace(index=jnp.zeros((self.slots,), jnp.int32))
         self._state = dict(
             logits=jnp.zeros((self.slots, self.model.vocab_size), jnp.float32),
@@ -159,6 +245,7 @@ class Server:
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()  # submit/cancel (any thread) against step (the stepping thread)
         self._reload: Any = None
+        self._weights = 0  # counts reloads: prefix pages are shared only among requests of one weights
         self._emitted: collections.deque[tuple[float, int]] = collections.deque()
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -166,27 +253,18 @@ class Server:
 
     @classmethod
     def from_task(
-        cls, task: TextGeneration, *, slots: int, capacity: int, kv_cache: Any = None, chunk: int | None = None,
-        prefix_cache: bool = False, decode_steps: int = 1,
+        cls, task: TextGeneration, *, slots: int, capacity: int, kv_cache: KVCache | None = None,
+        chunk: int | None = None, prefix_cache: bool = False, decode_steps: int = 1,
     ) -> "Server":
         """A server for `task` with ``slots`` rows of ``capacity`` tokens, running ``decode_steps``
-        decode iterations per device call. ``kv_cache`` is a `KVCache` layout (``KVCache(quantized=
-        "int8")``) that replaces the task model's own; ``chunk`` and ``prefix_cache`` (paged caches)
-        are refused until they exist."""
-        if chunk is not None or prefix_cache:
-            raise ValueError(
-                "Server serves unpaged KV caches only (dense or quantized): pass chunk=None and prefix_cache=False "
-                f"(got chunk={chunk!r}, prefix_cache={prefix_cache!r})"
-            )
-        if kv_cache is not None:
-            if not hasattr(task.model, "kv_cache"):
-                raise ValueError(
-                    f"kv_cache= sets the layout of a CausalTransformer's cache; this task's model is a "
-                    f"{type(task.model).__name__}, which has none. Pass kv_cache=None"
-                )
-            # the model checks the layout (an int8 cache needs a power-of-two head_dim) before anything compiles
-            task = dataclasses.replace(task, model=task.model.clone(kv_cache=kv_cache))
-        return cls(task, slots=slots, capacity=capacity, decode_steps=decode_steps)
+        decode iterations per device call.
+
+        ``kv_cache`` is the cache layout (default: the model's ``kv_cache`` field, else dense);
+        ``KVCache(quantized="int8")`` stores it in eight bits, ``KVCache(page_size=16, pages=N)`` shares one pool of N pages among the rows (default N:
+        ``slots * ceil(capacity / page_size)``, the dense cache's room). ``chunk`` prefills prompts
+        ``chunk`` tokens per step, ``prefix_cache`` shares full prompt pages; both need pages."""
+        return cls(task, slots=slots, capacity=capacity, decode_steps=decode_steps, kv_cache=kv_cache,
+                   chunk=chunk, prefix_cache=prefix_cache)
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -220,14 +298,15 @@ class Server:
         return Request(tokens.astype(np.int32), max_new_tokens, sampling, int(seed))
 
     def cancel(self, request: Request) -> None:
-        """Drop a request: out of the queue now, or out of its row at the next step."""
+        """Drop a request: out of the queue now, or out of its row (and its pages) at the next step."""
         with self._lock:
             request.cancelled = True
             if request in self._queue:
                 self._queue.remove(request)
 
     def reload(self, variables: Any) -> None:
-        """Decode with `variables` from the next step on (rows keep the cache the old weights wrote)."""
+        """Decode with `variables` from the next step on (rows keep the cache the old weights wrote,
+        but no later request shares a prefix page they wrote)."""
         self._reload = variables
 
     # --- stepping --------------------------------------------------------------------------------
@@ -241,9 +320,14 @@ class Server:
             variables, self._reload = self._reload, None
             self.task = self.task.bind(variables)
             self.model, self.variables = self.task.weights.get(self.slots)
+            self._weights += 1
+            if self._pool is not None:
+                self._pool.forget()
         self._free_cancelled()
         self._admit()
-        running = [(row, r) for row, r in enumerate(self._rows) if r is not None]
+        if self.paged:
+            self._prefill_pieces()
+        running = [(row, r) for row, r in enumerate(self._rows) if r is not None and self._decoding(r)]
         if not running:
             return []
         self._cache, self._state, tokens, log_probs = _decode_jit(
@@ -270,21 +354,34 @@ class Server:
         with self._lock:
             for row in freed:
                 self._rows[row] = None
-        self._stop_rows(freed)
+        self._stop_rows(freed, [request for _, request in running if request.finished])
         self._count_emitted(len(events))
         return events
 
-    def _stop_rows(self, rows: list[int]) -> None:
-        """Mark rows free on the device so they stop decoding until a request is seated there."""
+    def _decoding(self, request: Request) -> bool:
+        return not self.paged or request.prefilled == request.prompt.size
+
+    def _stop_rows(self, rows: list[int], requests: list[Request]) -> None:
+        """Mark rows free on the device so they stop decoding until a request is seated there, and
+        give the requests' pages back."""
         if rows:
             self._state = dict(self._state, live=self._state["live"].at[jnp.asarray(rows)].set(False))
+        if self.paged and requests:
+            for request in requests:
+                self._pool.release(request.pages)
+                request.pages = ()
+                self._table[request.row] = self._pool.pages  # every entry at the scratch page
+            self._push_table()
+
+    def _push_table(self) -> None:
+        self._cache = self._cache.replace(page_table=jnp.asarray(self._table))
 
     def _free_cancelled(self) -> None:
         with self._lock:
-            freed = [row for row, r in enumerate(self._rows) if r is not None and r.cancelled]
-            for row in freed:
+            freed = [(row, r) for row, r in enumerate(self._rows) if r is not None and r.cancelled]
+            for row, _ in freed:
                 self._rows[row] = None
-        self._stop_rows(freed)
+        self._stop_rows([row for row, _ in freed], [r for _, r in freed])
 
     def _admit(self) -> None:
         while True:
@@ -292,19 +389,50 @@ class Server:
                 free = [row for row, r in enumerate(self._rows) if r is None]
                 if not free or not self._queue:
                     return
-                request = self._queue.popleft()
+                request = self._queue[0]
+                if self.paged:
+                    grant = self._pool.grant(request.prompt, request.prompt.size + request.max_new_tokens)
+                    if grant is None:
+                        return  # the pool is full: the queue waits for pages to come back
+                self._queue.popleft()
                 row = free[0]
                 self._rows[row] = request
             request.row = row
+            if self.paged:
+                request.pages, request.weights = grant.pages, self._weights
+                request.prefilled = len(grant.shared) * self._pool.page_size
+                self._table[row] = self._pool.pages
+                self._table[row, : len(grant.pages)] = grant.pages
+                self._push_table()
+                continue  # its prompt goes in by `_prefill_pieces`
             length = int(request.prompt.size)
             width = padded_width(length, self.capacity)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, :length] = request.prompt
-            row_key = _row_keys(jax.random.key(request.seed), 1, 1)[0]  # TextGeneration's key for it alone
             self._cache, self._state = _prefill_jit(
                 self.model, self.variables, self._cache, self._state, jnp.int32(row), jnp.asarray(tokens),
-                jnp.int32(length), row_key, RowSampling.of(request.sampling),
+                jnp.int32(length), _request_key(request), RowSampling.of(request.sampling),
             )
+
+    def _prefill_pieces(self) -> None:
+        """Write the next piece of every admitted prompt into its pages: all that is left, or
+        ``chunk`` tokens. A request whose prompt is complete decodes from this step on."""
+        for row, request in enumerate(list(self._rows)):
+            if request is None or request.prefilled == request.prompt.size:
+                continue
+            start, length = request.prefilled, int(request.prompt.size)
+            stop = length if self.chunk is None else min(length, start + self.chunk)
+            width = padded_width(stop - start, self.capacity if self.chunk is None else min(self.chunk, self.capacity))
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, : stop - start] = request.prompt[start:stop]
+            self._cache, self._state = _prefill_pages_jit(
+                self.model, self.variables, self._cache, self._state, jnp.int32(row), jnp.asarray(tokens),
+                jnp.int32(start), jnp.int32(stop), jnp.asarray(stop == length), _request_key(request),
+                RowSampling.of(request.sampling),
+            )
+            request.prefilled = stop
+            if stop == length and request.weights == self._weights:
+                self._pool.share(request.prompt, request.pages)
 
     def _count_emitted(self, tokens: int) -> None:
         now = time.monotonic()
@@ -324,7 +452,7 @@ class Server:
             "queue_depth": float(queued),
             "running": float(running),
             "tokens_per_second": float(sum(n for _, n in recent) / span) if span > 0 else 0.0,
-            "pages_used": 0.0,
+            "pages_used": float(self._pool.used) if self._pool is not None else 0.0,
         }
 
     # --- asyncio ---------------------------------------------------------------------------------
@@ -368,9 +496,11 @@ class Server:
         """End every waiting and running request with `error` and empty the rows."""
         with self._lock:
             failed = list(self._queue) + [r for r in self._rows if r is not None]
+            held = [r for r in self._rows if r is not None]
             self._queue.clear()
             self._rows = [None] * self.slots
-        self._state = dict(self._state, live=jnp.zeros((self.slots,), bool))
+        self._state = dict(self._state, live=jnp.zeros((self.slots,), bool))  # not read: a failed step may have eaten it
+        self._stop_rows([], held)
         for request in failed:
             if request.listener is not None:
                 request.listener(error)

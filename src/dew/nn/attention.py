@@ -351,6 +351,7 @@ def cache_attention(
     scale: float | None = None,
     precision: Any = None,
     sinks: jax.Array | None = None,
+    keys_by_slot: bool = False,
 ) -> jax.Array:
     """Attention of ``q [B, T, N, H]`` over one layer of a `KVCache`; returns ``[B, T, N, H]``.
 
@@ -367,16 +368,22 @@ def cache_attention(
     scale multiplies what the product gives: a key's scale its score, a value's its softmax weight
     (the same sums as dequantizing first, without a dequantized copy of the cache). Queries are
     rotated by the Hadamard matrix the keys were stored under, if any.
+
+    ``keys_by_slot``: keys come ``[B * K, S, H]`` like the values (a paged cache's gathered pages,
+    `dew.nn.kv_pages`).
     """
     k_scales = v_scales = None
     if isinstance(k_cache, Quantized):
         q = rotate(q) if k_cache.rotated else q
         k_cache, k_scales = k_cache.codes.astype(q.dtype), k_cache.scales  # scales [B * K, 1, S]
+        if keys_by_slot:  # [B * K, S, 1]
+            k_scales = jnp.swapaxes(k_scales, 1, 2)
     if isinstance(v_cache, Quantized):
         v_cache, v_scales = v_cache.codes.astype(q.dtype), jnp.swapaxes(v_cache.scales, 1, 2)  # [B * K, 1, S]
     batch, q_len, heads, head_dim = q.shape
     rows, slots = v_cache.shape[0], v_cache.shape[1]
-    if rows % batch or k_cache.shape != (rows, head_dim, slots) or v_cache.shape[2] != head_dim:
+    key_shape = (rows, slots, head_dim) if keys_by_slot else (rows, head_dim, slots)
+    if rows % batch or k_cache.shape != key_shape or v_cache.shape[2] != head_dim:
         raise ValueError(
             f"for q {q.shape} the cache must hold keys [batch * kv_heads, {head_dim}, slots] and values "
             f"[batch * kv_heads, slots, {head_dim}]; got keys {k_cache.shape}, values {v_cache.shape}"
@@ -393,7 +400,8 @@ def cache_attention(
     qr = q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
     qr = qr.reshape(rows, groups * q_len, head_dim).astype(k_cache.dtype)
     logits = jnp.einsum(
-        "nqh,nhs->nqs", qr, k_cache, precision=precision, preferred_element_type=accumulate
+        "nqh,nsh->nqs" if keys_by_slot else "nqh,nhs->nqs", qr, k_cache, precision=precision,
+        preferred_element_type=accumulate,
     ) * jnp.asarray(scale, accumulate)
     if k_scales is not None:
         logits = logits * k_scales

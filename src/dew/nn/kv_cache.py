@@ -24,6 +24,11 @@ axis so the scan slices them.
 set as a decoder's ``kv_cache`` field: its `init_cache` then stores each layer's keys and values as
 `dew.nn.kv_quant.Quantized` blocks (eight-bit codes and a float32 scale per token and head, in
 the layouts above), `write_kv` encodes what it writes and `cache_attention` reads the codes.
+
+``KVCache(page_size=16, pages=N)`` with no arrays describes a paged layout (`dew.nn.kv_pages`): a
+model's ``kv_cache`` field or a Server's ``kv_cache=`` builds its cache from it, with one pool of
+pages for all rows and a page table per row in place of a row's own slots. The two
+combine: ``KVCache(page_size=16, pages=N, quantized="int8")`` pages eight-bit blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dew.checks import count
+from dew.nn import kv_pages
 from dew.nn.kv_quant import Quantized, check_head_dim, check_quantized, rotates_keys, store
 
 EMPTY = -1  # the position recorded for a slot that holds no token
@@ -51,9 +58,13 @@ class KVCache:
       index: ``[]`` int32, the first free slot (the same for every row), or ``[B]``, one per row.
       quantized: None (keys and values in the compute dtype), "int8" or "float8_e4m3fn"
         (`dew.nn.kv_quant`; each layer's k and v are then `Quantized` blocks).
+      page_table: paged only, ``[B, pages_per_row]`` int32, the pool page holding each run of
+        ``page_size`` slots of a row; k and v are then pools (`dew.nn.kv_pages`).
+      page_size: tokens per page, None for a dense cache.
+      pages: pages in the pool (None: enough for every row's max_len).
 
-    With no arrays (``KVCache()``, ``KVCache(quantized="int8")``) it is a layout, which a decoder's
-    ``init_cache`` allocates.
+    With no arrays (``KVCache()``, ``KVCache(quantized="int8")``, ``KVCache(page_size=16)``) it is a
+    layout, which a decoder's ``init_cache`` allocates.
     """
 
     k: Any = None
@@ -61,10 +72,17 @@ class KVCache:
     positions: jax.Array | None = None
     lengths: jax.Array | None = None
     index: jax.Array | None = None
+    page_table: Any = None
     quantized: str | None = struct.field(pytree_node=False, default=None)
+    page_size: int | None = struct.field(pytree_node=False, default=None)
+    pages: int | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         check_quantized(self.quantized)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
 
     @property
     def stacked(self) -> bool:
@@ -84,7 +102,8 @@ class KVCache:
 
     @property
     def kv_heads(self) -> int:
-        return int((self.k if self.stacked else self.k[0]).shape[-3]) // self.batch_size
+        heads = int((self.k if self.stacked else self.k[0]).shape[-3])
+        return heads if self.paged else heads // self.batch_size
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer i."""
@@ -105,8 +124,10 @@ class KVCache:
 
         `other` holds ``W <= max_len`` slots; they go to slots ``0 .. W - 1`` of the row and every
         later slot of the row is emptied, so nothing the row held before stays visible. The row's
-        length and write index become `other`'s. Needs a per-row ``index``.
+        length and write index become `other`'s. Needs a per-row ``index`` and a dense cache.
         """
+        if self.paged or other.paged:
+            raise ValueError("seat copies a dense row; a paged cache writes a prompt into its row's pages directly")
         if other.batch_size != 1 or other.max_len > self.max_len or other.stacked != self.stacked:
             raise ValueError(
                 f"seat takes a one-row cache of at most {self.max_len} slots in the same layout; got "
@@ -130,7 +151,11 @@ class KVCache:
         )
 
     def repeat(self, n: int) -> "KVCache":
-        """Each row repeated n times in place (row b becomes rows b*n .. b*n+n-1)."""
+        """Each row repeated n times in place (row b becomes rows b*n .. b*n+n-1).
+
+        A paged cache copies each row's pages into a pool of its own for the new rows."""
+        if self.paged:
+            return self._repeat_pages(n)
         batch, kv_heads = self.batch_size, self.kv_heads
 
         def rep(x):  # [..., B * KV, a, b] -> [..., B * n * KV, a, b]
@@ -145,6 +170,23 @@ class KVCache:
             lengths=jnp.repeat(self.lengths, n, axis=0),
         )
 
+    def _repeat_pages(self, n: int) -> "KVCache":
+        rows, entries = self.page_table.shape
+        order = jnp.repeat(self.page_table, n, axis=0).reshape(-1)  # the new rows' pages, in row order
+        order = jnp.concatenate([order, jnp.asarray([kv_pages.scratch_page(self.k if self.stacked else self.k[0])])])
+
+        def copy(pool):  # [..., pages + 1, KV, a, b], codes and scales alike
+            return jax.tree.map(lambda x: jnp.take(x, order, axis=x.ndim - 4), pool)
+
+        k = copy(self.k) if self.stacked else tuple(copy(x) for x in self.k)
+        v = copy(self.v) if self.stacked else tuple(copy(x) for x in self.v)
+        return self.replace(
+            k=k, v=v, positions=jnp.repeat(self.positions, n, axis=0),
+            lengths=jnp.repeat(self.lengths, n, axis=0),
+            page_table=jnp.arange(rows * n * entries, dtype=jnp.int32).reshape(rows * n, entries),
+            pages=rows * n * entries,
+        )
+
 
 def init_kv_cache(
     *,
@@ -157,15 +199,24 @@ def init_kv_cache(
     dtype: Any = jnp.float32,
     stacked: bool = False,
     layout: KVCache | None = None,
+    rows_own_pages: bool = True,
 ) -> KVCache:
     """An empty cache (zeros, every slot empty, every length 0) in `layout` (None: dense); values are
     ``value_dim`` wide (default: ``head_dim``; 0 for latent attention, whose values are read from its keys).
 
     ``dtype`` is the storage dtype of an unquantized cache; a quantized `layout` stores its format's
     codes and float32 scales (int8 raises here for a head_dim that is not a power of two).
+    With a paged `layout` (``KVCache(page_size=..., pages=...)``) the rows share one pool. When
+    `rows_own_pages`, row b gets pages ``b * n .. b * n + n - 1`` of the ``n`` its max_len needs,
+    and a pool too small for that raises; otherwise (a Server, which hands pages out per request)
+    every table entry starts at the scratch page.
     """
     quantized = None if layout is None else check_quantized(layout.quantized)
     check_head_dim(quantized, head_dim)
+    if layout is not None and layout.paged:
+        return _init_paged(layout, num_layers=num_layers, batch_size=batch_size, max_len=max_len,
+                           kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, stacked=stacked,
+                           rows_own_pages=rows_own_pages)
     value_dim = head_dim if value_dim is None else value_dim
     k_shape = (batch_size * kv_heads, head_dim, max_len)
     v_shape = (batch_size * kv_heads, max_len, value_dim)
@@ -184,6 +235,44 @@ def init_kv_cache(
     return KVCache(
         k=k, v=v, positions=jnp.full((batch_size, max_len), EMPTY, jnp.int32),
         lengths=jnp.zeros((batch_size,), jnp.int32), index=jnp.zeros((), jnp.int32), quantized=quantized,
+    )
+
+
+def check_layout(layout: KVCache) -> KVCache:
+    """`layout` if it describes a cache Dew can build (a positive page_size; pages only with it)."""
+    if not isinstance(layout, KVCache):
+        raise TypeError(f"kv_cache must be a dew.nn.kv_cache.KVCache layout; got {type(layout).__name__}.")
+    if layout.k is not None:
+        raise ValueError("kv_cache takes a layout such as KVCache(page_size=16, pages=512), not a built cache")
+    if layout.page_size is not None:
+        count(layout.page_size, "page_size (tokens per page)")
+    if layout.pages is not None:
+        if layout.page_size is None:
+            raise ValueError(f"pages={layout.pages} needs a page_size: pass KVCache(page_size=16, pages={layout.pages})")
+        count(layout.pages, "pages (pages in the pool)")
+    return layout
+
+
+def _init_paged(layout, *, num_layers, batch_size, max_len, kv_heads, head_dim, dtype, stacked, rows_own_pages):
+    check_layout(layout)
+    entries = kv_pages.pages_per_row(max_len, layout.page_size)
+    pages = batch_size * entries if layout.pages is None else layout.pages
+    if rows_own_pages:
+        if pages < batch_size * entries:
+            raise ValueError(
+                f"a pool of {pages} pages of {layout.page_size} tokens cannot give each of {batch_size} rows the "
+                f"{entries} pages its {max_len} tokens need ({batch_size * entries} pages); leave pages unset "
+                "outside a Server, or pass pages >= rows * ceil(max_len / page_size)"
+            )
+        table = jnp.arange(batch_size * entries, dtype=jnp.int32).reshape(batch_size, entries)
+    else:
+        table = jnp.full((batch_size, entries), pages, jnp.int32)  # every entry at scratch
+    k, v = kv_pages.init_page_pool(pages=pages, kv_heads=kv_heads, head_dim=head_dim, page_size=layout.page_size,
+                                   num_layers=num_layers, dtype=dtype, stacked=stacked, quantized=layout.quantized)
+    return KVCache(
+        k=k, v=v, positions=jnp.full((batch_size, entries * layout.page_size), EMPTY, jnp.int32),
+        lengths=jnp.zeros((batch_size,), jnp.int32), index=jnp.zeros((), jnp.int32), page_table=table,
+        quantized=layout.quantized, page_size=layout.page_size, pages=pages,
     )
 
 

@@ -34,7 +34,8 @@ from jax.ad_checkpoint import checkpoint_name
 from dew.nn import gpipe
 from dew.nn.attention import cache_attention, check_attention_impl
 from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_plan, resolve_mlp_plan
-from dew.nn.kv_cache import KVCache, init_kv_cache, write_kv, write_positions
+from dew.nn import kv_pages
+from dew.nn.kv_cache import KVCache, check_layout, init_kv_cache, write_kv, write_positions
 from dew.nn.kv_quant import check_head_dim
 from dew.nn.moe import ROUTER_COLLECTION, Mixture
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
@@ -191,12 +192,18 @@ class SelfAttention(nn.Module):
         else:
             # write this call's keys and values to the shared slots from `index`, then attend over
             # the whole cache by position (`kv_positions` already records this call's tokens)
-            kv_positions, index = slots
+            # (a paged cache writes into its pool and gathers each row's pages to attend over them)
+            kv_positions, index, page_table = slots
             cache_k, cache_v = layer_cache
-            cache_k, cache_v = write_kv(cache_k, cache_v, k, v, index)
+            if page_table is None:
+                cache_k, cache_v = write_kv(cache_k, cache_v, k, v, index)
+                seen_k, seen_v = cache_k, cache_v
+            else:
+                cache_k, cache_v = kv_pages.write_pages(cache_k, cache_v, k, v, page_table, index)
+                seen_k, seen_v = kv_pages.gather_pages(cache_k, cache_v, page_table)
             out = cache_attention(
-                q, cache_k, cache_v, q_positions=positions, kv_positions=kv_positions,
-                causal=self.causal, window=window, sinks=sinks,
+                q, seen_k, seen_v, q_positions=positions, kv_positions=kv_positions,
+                causal=self.causal, window=window, sinks=sinks, keys_by_slot=page_table is not None,
             )
             new_cache = (cache_k, cache_v)
 
@@ -211,7 +218,7 @@ def _check_cache(cache: KVCache, batch: int, length: int) -> None:
                          "build it with model.init_cache(batch_size)")
     if length > cache.max_len:
         raise ValueError(f"{length} tokens do not fit a KV cache of max_len={cache.max_len}")
-    if not isinstance(cache.index, jax.core.Tracer) and int(np.max(cache.index)) + length > cache.max_len:
+    if not cache.paged and not isinstance(cache.index, jax.core.Tracer) and int(np.max(cache.index)) + length > cache.max_len:
         raise ValueError(
             f"the KV cache has {cache.max_len - int(np.max(cache.index))} free slots of {cache.max_len} and "
             f"cannot take {length} more tokens; build it with a larger max_len"
@@ -427,11 +434,7 @@ class CausalTransformer(nn.Module):
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_features}")
         check_attention_impl(self.attention_impl)
         if self.kv_cache is not None:
-            if not isinstance(self.kv_cache, KVCache) or self.kv_cache.k is not None:
-                raise ValueError(
-                    "kv_cache must be a KVCache layout without arrays, such as KVCache(quantized='int8') (an "
-                    f"allocated cache goes to apply(..., cache=)); got {type(self.kv_cache).__name__}"
-                )
+            check_layout(self.kv_cache)
             check_head_dim(self.kv_cache.quantized, self.head_features)
         remat_policy(self.remat)
         rope_type(self.rope_scaling)
@@ -485,8 +488,11 @@ class CausalTransformer(nn.Module):
         """Each layer's feed-forward: "dense" or "mixture"."""
         return resolve_mlp_plan(self.num_layers, self.mlp_layer_types, self.first_k_dense, self.mixture is not None)
 
-    def init_cache(self, batch_size: int, max_len: int | None = None, dtype: Any = None) -> KVCache:
-        """An empty KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens."""
+    def init_cache(self, batch_size: int, max_len: int | None = None, dtype: Any = None,
+                   layout: KVCache | None = None, rows_own_pages: bool = True) -> KVCache:
+        """An empty KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens,
+        in `layout` (default: the model's ``kv_cache`` field; None is dense). `rows_own_pages`:
+        see `init_kv_cache`."""
         max_len = self.max_seq_len if max_len is None else max_len
         if self.latent_attention is not None:  # one head whose keys are each token's latent and rope key
             latent = self.latent_attention
@@ -499,7 +505,7 @@ class CausalTransformer(nn.Module):
             num_layers=self.num_layers, batch_size=batch_size, max_len=max_len,
             kv_heads=self.kv_heads, head_dim=self.head_features,
             dtype=self.dtype if dtype is None else dtype, stacked=self.scan_layers,
-            layout=self.kv_cache,
+            layout=self.kv_cache if layout is None else layout, rows_own_pages=rows_own_pages,
         )
 
     # --- forward ---------------------------------------------------------------------------------
@@ -525,7 +531,11 @@ class CausalTransformer(nn.Module):
             if positions is None:
                 positions = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
             positions = jnp.broadcast_to(positions, (batch, length)).astype(jnp.int32)
-            slots = (write_positions(cache.positions, positions, cache.index), cache.index)
+            if cache.paged:
+                slots = (kv_pages.write_page_positions(cache.positions, positions, cache.index), cache.index,
+                         cache.page_table)
+            else:
+                slots = (write_positions(cache.positions, positions, cache.index), cache.index, None)
         elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         else:

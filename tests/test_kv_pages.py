@@ -1,0 +1,95 @@
+"""The paged KV cache: a pool of pages and a page table per row decode what the dense cache decodes."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.inference import TextGeneration
+from dew.nn import kv_pages
+from dew.nn.backbones.causal_transformer import CausalTransformer
+from dew.nn.backbones.layer_plan import LayerKind
+from dew.nn.kv_cache import KVCache
+from dew.sampling import Sampling
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
+
+
+def _model(**kwargs):
+    return CausalTransformer(vocab_size=61, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                             mlp_features=64, max_seq_len=64, attention_impl="xla", **kwargs)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_paged_model_generates_what_the_dense_model_generates(scan_layers):
+    layers = {} if scan_layers else dict(layer_types=("sliding_attention", "full_attention"),
+                                         kinds={"sliding_attention": LayerKind(window=3)})
+    dense = _model(scan_layers=scan_layers, **layers)
+    variables = nn.unbox(jax.jit(dense.init)(jax.random.key(0), np.zeros((1, 8), np.int32)))
+    paged = _model(scan_layers=scan_layers, kv_cache=KVCache(page_size=4), **layers)
+    sampled = Sampling(temperature=0.8)
+    cases = ((sampled, 2),) if scan_layers else ((Sampling(), 1), (sampled, 2))  # n=2 copies each row's pages
+    for sampling, n in cases:
+        want = TextGeneration(dense, variables)(PROMPTS, 10, seed=3, n=n, sampling=sampling).host()
+        got = TextGeneration(paged, variables)(PROMPTS, 10, seed=3, n=n, sampling=sampling).host()
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_allclose(got.behavior_log_probs, want.behavior_log_probs, atol=1e-5)
+    other = TextGeneration(paged, variables)(PROMPTS, 10, seed=4, sampling=sampled).host()
+    assert other.tokens.tolist() != want.tokens[::2].tolist()  # the comparison can fail
+
+
+@pytest.mark.parametrize("quantized", ["int8", "float8_e4m3fn"])
+def test_a_paged_quantized_cache_decodes_what_the_dense_quantized_one_does(quantized):
+    """Pages hold the same eight-bit codes and scales as the dense layout (int8 keys rotated alike),
+    so a paged quantized model draws the dense quantized model's tokens; n=2 copies codes and scales."""
+    dense = _model(kv_cache=KVCache(quantized=quantized))
+    variables = nn.unbox(jax.jit(dense.init)(jax.random.key(0), np.zeros((1, 8), np.int32)))
+    paged = _model(kv_cache=KVCache(page_size=4, quantized=quantized))
+    sampled = Sampling(temperature=0.8)
+    want = TextGeneration(dense, variables)(PROMPTS, 10, seed=3, n=2, sampling=sampled).host()
+    got = TextGeneration(paged, variables)(PROMPTS, 10, seed=3, n=2, sampling=sampled).host()
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.behavior_log_probs, want.behavior_log_probs, atol=1e-5)
+    cache = paged.init_cache(2, 16)
+    assert cache.k[0].codes.dtype == (jnp.int8 if quantized == "int8" else jnp.float8_e4m3fn)
+    assert cache.k[0].scales.shape[-1] == 1 and cache.k[0].rotated == (quantized == "int8")
+
+
+def test_writes_land_in_the_page_the_table_names_and_past_the_table_in_scratch():
+    pages, page_size = 5, 2
+    k_pool = jnp.zeros((pages + 1, 1, page_size, 1))  # [pages + scratch, kv_heads, page_size, head_dim]
+    v_pool = jnp.zeros((pages + 1, 1, page_size, 1))
+    table = jnp.asarray([[3, 1], [0, 4]], jnp.int32)  # row 0: slots 0-1 in page 3, 2-3 in page 1
+    k = jnp.asarray([[10.0, 11.0, 12.0], [20.0, 21.0, 22.0]]).reshape(2, 3, 1, 1)
+    index = jnp.asarray([1, 2], jnp.int32)  # row 0 writes slots 1-3; row 1 slots 2-4 (slot 4 past its table)
+    k_pool, v_pool = kv_pages.write_pages(k_pool, v_pool, k, k + 100, table, index)
+    keys = np.asarray(k_pool)[:, 0, :, 0]
+    np.testing.assert_array_equal(keys[3], [0, 10])
+    np.testing.assert_array_equal(keys[1], [11, 12])
+    np.testing.assert_array_equal(keys[4], [20, 21])
+    np.testing.assert_array_equal(keys[pages], [22, 0])  # the slot past row 1's table went to scratch
+    np.testing.assert_array_equal(np.asarray(v_pool)[4, 0, :, 0], [120, 121])
+    seen_k, seen_v = kv_pages.gather_pages(k_pool, v_pool, table)
+    np.testing.assert_array_equal(np.asarray(seen_k)[:, :, 0], [[0, 10, 11, 12], [0, 0, 20, 21]])
+    np.testing.assert_array_equal(np.asarray(seen_v)[:, :, 0], [[0, 110, 111, 112], [0, 0, 120, 121]])
+
+
+def test_positions_past_a_row_are_dropped_not_shifted():
+    positions = jnp.full((1, 4), -1, jnp.int32)
+    written = kv_pages.write_page_positions(positions, jnp.asarray([[7, 8, 9]]), jnp.asarray([2]))
+    np.testing.assert_array_equal(np.asarray(written), [[-1, -1, 7, 8]])
+
+
+def test_a_pool_that_cannot_give_every_row_its_pages_raises_outside_a_server():
+    model = _model(kv_cache=KVCache(page_size=8, pages=3))
+    variables = nn.unbox(jax.jit(_model().init)(jax.random.key(0), np.zeros((1, 8), np.int32)))
+    with pytest.raises(ValueError, match="cannot give each of 2 rows"):
+        TextGeneration(model, variables)(PROMPTS, 12, seed=0)
+
+
+def test_bad_layouts_raise_when_the_model_is_built():
+    with pytest.raises(ValueError, match="page_size"):
+        _model(kv_cache=KVCache(page_size=0))
+    with pytest.raises(ValueError, match="needs a page_size"):
+        _model(kv_cache=KVCache(pages=8))
