@@ -124,7 +124,7 @@ def test_an_int8_cache_needs_a_power_of_two_head_dim_and_float8_takes_any():
 
 def test_a_model_kv_cache_must_be_a_layout_without_arrays():
     cache = init_kv_cache(num_layers=1, batch_size=1, max_len=4, kv_heads=1, head_dim=8)
-    with pytest.raises(ValueError, match="layout without arrays"):
+    with pytest.raises(ValueError, match="takes a layout such as KVCache.*not a built cache"):
         CausalTransformer(vocab_size=16, emb_features=32, num_layers=1, num_heads=4, kv_cache=cache)
 
 

@@ -54,6 +54,8 @@ def test_a_tensor_step_exchanges_only_partial_sums():
     found = collectives(trainer(MeshSpec(tensor=4)))
     assert {kind for kind, _ in found} == {"all-reduce"}
     # one [tokens, embed] all-reduce after each block's attention and MLP output projection, in the
-    # forward pass and again for the input gradients of the backward pass
-    assert found[("all-reduce", "f32[256,64]")] == 2 * LAYERS
+    # forward pass and again for the input gradients of the backward pass; the 8 x 32 tokens are
+    # split over the data axis (tensor=4 leaves data=2), so each device reduces its 128 rows
+    assert found[("all-reduce", "f32[128,64]")] == 2 * LAYERS
+    assert found[("all-reduce", "f32[256,64]")] == 0  # no device computes the other half's rows
     assert all(str(VOCAB) not in shape for _, shape in found)  # no logits-sized exchange at all

@@ -1,8 +1,10 @@
 """Sequence parallelism: token activations split along their length over a mesh axis.
 
-A training step that splits sequences enters `splitting(SequenceSplit(...))` while it traces the
+A training step on several devices enters `splitting(SequenceSplit(...))` while it traces the
 model; outside that context every function here is the identity (or plain attention), so a model
-runs unchanged on one device. Inside it:
+runs unchanged on one device. With a sequence axis of one, `split_length` only pins the token rows
+to the batch axes (the decoder calls it on its embeddings and at every layer's input). Inside a
+split over ``k > 1`` devices:
 
 * `split_length` pins ``[batch, length, ...]`` activations to rows split over the batch axes and the
   length split over the sequence axis, and `token_rows` keeps them 3-D for the projections (flattening
@@ -132,13 +134,21 @@ def active() -> SequenceSplit | None:
 
 
 def split_length(x: jax.Array) -> jax.Array:
-    """``x [batch, length, ...]`` constrained to rows over the batch axes and positions over the sequence axis."""
-    split = active()
+    """``x [batch, length, ...]`` constrained to rows over the batch axes and positions over the sequence axis.
+
+    A split of size one (a step on several devices with ``sequence=1``) still pins the rows to the
+    batch axes: otherwise XLA's propagation follows the weights, whose width `fsdp` splits, and every
+    device would hold every row of the batch's activations.
+    """
+    split = _ACTIVE.get()[0]
     if split is None:
         return x
-    split.check_length(x.shape[1])
-    _ACTIVE.get()[1].append(x.shape[1])
-    spec = PartitionSpec(split.batch_spec(x.shape[0]), split.axis, *([None] * (x.ndim - 2)))
+    length = None
+    if split.size > 1:
+        split.check_length(x.shape[1])
+        _ACTIVE.get()[1].append(x.shape[1])
+        length = split.axis
+    spec = PartitionSpec(split.batch_spec(x.shape[0]), length, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(split.mesh, spec))
 
 

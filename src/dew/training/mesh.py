@@ -259,8 +259,9 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 
 def sequence_split(mesh: Mesh, layout: Layout) -> SequenceSplit | None:
-    """How a step on `mesh` splits token activations along their length (None: the axis is 1)."""
-    if mesh.shape["sequence"] == 1:
+    """How a step on `mesh` lays out token activations: rows over the batch axes, and the length over
+    the sequence axis when it is larger than one (None: one device)."""
+    if mesh.size == 1:
         return None
     return SequenceSplit(mesh, BATCH_AXES, axis="sequence", heads_axis="tensor", exchange=layout.sequence_exchange)
 

@@ -26,7 +26,6 @@ import optax
 
 from dew.checks import count
 from dew.nn.backbones.causal_transformer import CausalTransformer
-from dew.nn.gpipe import StageSplit, staging
 from dew.objectives.base import Step
 from dew.objectives.lm import LMObjective
 from dew.telemetry.collectives import Collectives, count_collectives
@@ -207,23 +206,22 @@ def plan(model: CausalTransformer, mesh: MeshSpec, *, devices: int, batch: int, 
         outputs=memory.output_size_in_bytes,
         aliased=memory.alias_size_in_bytes,
         temporaries=memory.temp_size_in_bytes,
-        activations=_activation_bytes(objective, state, tokens, placed_tokens, mesh.stage_split(trainer.mesh)) - parameters,
+        activations=_activation_bytes(trainer, state, tokens, placed_tokens) - parameters,
         collectives=count_collectives(compiled.as_text()),
         compile_seconds=compile_seconds,
         platform=chips[0].platform,
     )
 
 
-def _activation_bytes(objective: LMObjective, state: Any, tokens: Mapping[str, Any], sharding: Any,
-                      stages: StageSplit | None) -> int:
+def _activation_bytes(trainer: Trainer, state: Any, tokens: Mapping[str, Any], sharding: Any) -> int:
     """Per-device bytes of the residuals the loss's backward pass reads (parameters among them),
     as XLA lays them out: the outputs of a compiled forward pass that returns them."""
     placed = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in tokens.items()}
 
     def residuals(variables, batch):
         step = Step(step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
-        loss = lambda params: objective.loss({**variables, "params": params}, batch, step)[0]  # noqa: E731
-        with staging(stages):  # the layers as the step runs them
+        loss = lambda params: trainer.objective.loss({**variables, "params": params}, batch, step)[0]  # noqa: E731
+        with trainer.model_layout():  # the activations laid out as the step lays them out
             return jax.vjp(loss, variables["params"])[1]
 
     compiled = jax.jit(residuals).lower(state.variables, placed).compile()

@@ -320,16 +320,20 @@ class Trainer:
                 )
         return state.replace(**moved) if moved else state
 
-    def _train_step(self, state: TrainState, batch):
-        state = self._in_memory(state, "device")
-        step_root = jax.random.split(state.key)[1]
-        step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
+    @contextlib.contextmanager
+    def model_layout(self):
+        """The layout a model traced inside this block gives its activations on this trainer's mesh:
+        token rows over the batch axes, lengths over `sequence` (`dew.nn.sequence_parallel`) and
+        the layer stack as GPipe stages over `stage` (`dew.nn.gpipe`). Raises afterwards when the
+        mesh asks for a sequence or stage split the model never made, since those devices would
+        only repeat each other's work."""
         split = mesh_lib.sequence_split(self.mesh, self.layout)
         stages = self.mesh_spec.stage_split(self.mesh)
-        # traced with the token rows split along the length and the layers as GPipe stages, as the mesh asks
+        if stages is not None and split is not None and split.size == 1:
+            split = None  # stages lay out their microbatches themselves
         with splitting(split) as split_lengths, staging(stages) as staged:
-            loss, aux, grads = self._gradients(state, batch, step)
-        if split is not None and not split_lengths:
+            yield
+        if split is not None and split.size > 1 and not split_lengths:
             raise ValueError(
                 f"MeshSpec(sequence={split.size}) splits sequences over {split.size} devices, but "
                 f"{type(self.objective).__name__}'s model splits none (decoders such as CausalTransformer "
@@ -342,6 +346,13 @@ class Trainer:
                 f"{type(self.objective).__name__}'s model ran no stack as stages (CausalTransformer with "
                 f"scan_layers=True does), so the stage devices would only repeat each other's work. Use stage=1."
             )
+
+    def _train_step(self, state: TrainState, batch):
+        state = self._in_memory(state, "device")
+        step_root = jax.random.split(state.key)[1]
+        step = Step(step=state.step, key=jax.random.fold_in(step_root, state.step))
+        with self.model_layout():  # traced as the mesh lays activations out (rows, lengths, stages)
+            loss, aux, grads = self._gradients(state, batch, step)
         params = state.variables["params"]
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)

@@ -296,6 +296,7 @@ class DecoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, layer_cache=None, slots=None, window=None):
+        x = split_length(x)  # rows kept over the batch axes (and the length over the sequence axis) layer by layer
         norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         attention = self.attention_class(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -436,6 +437,11 @@ class CausalTransformer(nn.Module):
         if self.kv_cache is not None:
             check_layout(self.kv_cache)
             check_head_dim(self.kv_cache.quantized, self.head_features)
+            if self.latent_attention is not None and (self.kv_cache.paged or self.kv_cache.quantized):
+                raise ValueError(
+                    f"latent attention caches its compressed latents densely and unquantized; got kv_cache="
+                    f"{self.kv_cache}. Leave kv_cache unset for this model"
+                )
         remat_policy(self.remat)
         rope_type(self.rope_scaling)
         plan = self.layer_plan

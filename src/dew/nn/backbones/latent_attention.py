@@ -182,7 +182,9 @@ class LatentAttention(nn.Module):
         rank = self.kv_lora_rank
         kernels = kv_b.reshape(rank, heads, nope + self.v_head_dim)
         w_uk, w_uv = kernels[..., :nope], kernels[..., nope:]
-        kv_positions, index = slots
+        kv_positions, index, page_table = slots
+        if page_table is not None:
+            raise ValueError("latent attention decodes from a dense cache of latents, not from pages")
         cache_k, cache_v = layer_cache
         token = jnp.concatenate([latent[:, :, None, :], k_rope], axis=-1)  # [B, T, 1, rank + rope]
         cache_k, cache_v = write_kv(cache_k, cache_v, token, token[..., :0], index)
