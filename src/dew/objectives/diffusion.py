@@ -6,6 +6,10 @@ process's target with the process's weighting. Conditions (labels, embeddings) a
 with `unconditional_prob`, so the same model also learns the unconditional denoiser that
 classifier-free guidance needs: a dropped label becomes -1 (the backbone's null class) and a dropped
 embedding becomes zeros.
+
+`DiffusionRunConfig` describes a whole diffusion run (backbone, data, trainer settings, process, a
+caption condition, an autoencoder, sampling defaults); it builds the objective and saves the run so
+that `TextToImage.from_run` and `dew.pipeline` rebuild its task alone.
 """
 
 from __future__ import annotations
@@ -128,6 +132,13 @@ class DiffusionObjective(Objective):
         return self.model.init(key, x, jnp.zeros((1,), jnp.float32), conditions)
 
     def check(self, batch) -> None:
+        for field in self.inputs.conditions.values():
+            if hasattr(field, "tokenize") and field.key not in batch:
+                raise ValueError(
+                    f"The batch has no caption column {field.key!r} (it has {sorted(batch)}), but the model is "
+                    f"conditioned on captions. Give the data captions and load it with "
+                    f"tokenize=objective.inputs.tokenize, so {field.key!r} holds int32 token ids [batch, {field.shape[0]}]."
+                )
         super().check(batch)
         sample = np.asarray(batch[self.sample_field.key])
         if sample.dtype != np.uint8 and not np.issubdtype(sample.dtype, np.floating):
