@@ -98,6 +98,7 @@ def test_the_getting_started_program_runs_on_a_small_image_set(tmp_path, monkeyp
         text=None,
     )
     objective = config.build()
+    assert objective.inputs.tokenize(["a flower"]) == {}  # unconditional: captions become no columns
     checkpoints = Checkpoints(str(run), keep=1)
     state = Trainer(objective, optax.adamw(2e-4), key=jax.random.key(0), checkpoints=checkpoints).fit(
         config.data.load(batch=8, tokenize=objective.inputs.tokenize), steps=2, log_every=2, checkpoint_every=2)
