@@ -15,7 +15,7 @@ The program trains in three parts and then draws from the saved run:
 <out>/samples.png. A classifier fitted on the real digits reads each drawn digit, so the printout
 says how often the image shows the digit its prompt names, with guidance and without.
 
-    python examples/train_diffusion.py              # about 20 minutes on 2 CPU cores
+    python examples/train_diffusion.py              # about 16 minutes on 2 shared CPU cores
     python examples/train_diffusion.py --smoke      # a tiny run, seconds
 """
 

