@@ -125,3 +125,38 @@ def test_evaluate_and_serve_smoke_scores_both_runs_and_the_served_decoder_matche
         assert set(decoder["lm_eval"]) == {"dew_tiny_mc", "dew_tiny_perplexity"}
     assert images["samples"] == 16 and math.isfinite(images["fid_random_conv"]) and images["fid_random_conv"] > 0
     assert -1.0 <= images["sample_range"][0] <= images["sample_range"][1] <= 1.0
+
+
+def test_train_diffusion_smoke_trains_a_latent_text_run_and_draws_from_it_reloaded(tmp_path):
+    from PIL import Image
+
+    result = load_example("train_diffusion").main(["--smoke", "--out", str(tmp_path)])
+    run = Path(result["run"])
+    assert sorted(p.name for p in run.iterdir()) == ["3", "autoencoder", "run.json", "text_encoder"]
+    assert result["steps"] == 3 and result["latent_shape"] == [8, 8, 4]  # 16x16x1 digits in the VAE's latents
+    assert result["distinct_prompt_encodings"] == 10  # random frozen CLIP weights tell the ten prompts apart
+    with Image.open(result["samples"]) as grid:
+        assert grid.size == (2 * 16, 10 * 16)  # ten prompts by two samples
+    assert all(0.0 <= score <= 1.0 for score in result["prompted_digit_accuracy"].values())
+
+
+@pytest.mark.slow
+def test_train_diffusion_draws_the_prompted_digit(tmp_path):
+    """Guided draws show the digit their prompt names (chance is 10%); without guidance, less often.
+    (Measured: 0.99 guided, 0.92 without guidance, 100 draws each, in about 16 minutes on 2 CPU cores.)"""
+    result = load_example("train_diffusion").main(["--out", str(tmp_path)])
+    scores = result["prompted_digit_accuracy"]
+    assert scores["guided"] >= 0.6 and scores["unguided"] < scores["guided"], scores
+
+
+def test_train_flowers_smoke_trains_saves_and_draws_from_the_reloaded_run(tmp_path):
+    """The Getting started program on a tiny prepared TFDS directory written here."""
+    import numpy as np
+    from test_image_data import _tfds_directory
+
+    images = list(np.random.default_rng(0).integers(0, 256, (8, 20, 24, 3), dtype=np.uint8))
+    data = _tfds_directory(tmp_path / "toy" / "1.0.0", images, [i % 3 for i in range(8)])
+    result = load_example("train_flowers").main(["--data", str(data), "--run", str(tmp_path / "run"), "--batch", "8",
+                                                 "--samples", "2", "--smoke"])
+    assert result["files"] == ["2", "run.json", "samples.png"] and result["steps"] == 2
+    assert result["shape"] == [2, 16, 16, 3]

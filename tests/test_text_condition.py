@@ -102,7 +102,7 @@ def test_bad_captions_fail_before_compiling(encoders):
     condition = TextCondition(encoders["clip"])
     diffusion = objective(condition)
     batch = batch_of(condition)
-    with pytest.raises(ValueError, match="no field 'caption'"):
+    with pytest.raises(ValueError, match="no caption column 'caption'"):
         diffusion.check({"image": batch["image"]})
     with pytest.raises(ValueError, match="holds strings"):
         diffusion.check({**batch, "caption": np.asarray(CAPTIONS)})

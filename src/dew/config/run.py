@@ -16,6 +16,7 @@ from typing import Any
 
 from dew.config.records import from_record, import_path, resolve, to_record
 from dew.files import staged_directory, write_atomic
+from dew.objectives import run_record
 
 RUN_FILE = "run.json"
 FORMAT = "dew.run"
@@ -294,6 +295,20 @@ class RunConfig:
 
 
 _PLAIN = {"model": ModelConfig, "optim": OptimConfig, "trainer": TrainerConfig, "objective": ObjectiveConfig}
+
+
+def _write_described_run(directory, *, model, data, optim, trainer, objective_class, objective_settings,
+                         sampling) -> Path:
+    """run.json for a run described in objective terms (DiffusionRunConfig.save), as RunConfig writes it."""
+    config = RunConfig(model=model, data=data, optim=OptimConfig() if optim is None else optim,
+                       trainer=TrainerConfig() if trainer is None else trainer,
+                       objective=ObjectiveConfig(target=import_path(objective_class),
+                                                 settings=to_record(objective_settings)),
+                       sampling=sampling)
+    return config.save(directory)
+
+
+run_record.install(_write_described_run)
 
 
 def _backend_started() -> bool:

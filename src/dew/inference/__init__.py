@@ -25,3 +25,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
+
+# TextToImage.from_run reads saved runs, which only the top of the stack can do: the task modules sit
+# below the objectives that build them. dew.pipeline installs its run reader into the task module when
+# it is imported, and every task is imported through this package, so the reader is always there.
+from dew.inference.pipeline import pipeline  # noqa: E402

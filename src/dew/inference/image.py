@@ -18,6 +18,14 @@ from dew.sampling.solvers import Heun
 
 DEFAULT = object()  # a call's guidance= left out: the task's own
 
+_run_reader: Any = None  # reads a saved diffusion run into a TextToImage; installed by dew.inference.pipeline
+
+
+def reads_runs_with(reader: Any) -> None:
+    """Install the function `TextToImage.from_run` delegates to: ``reader(directory, *, step, ema, **placement)``."""
+    global _run_reader
+    _run_reader = reader
+
 
 def as_guidance(value: Any) -> Any:
     """Guidance as a CFG (or another guidance object), from a CFG, a plain scale, or None."""
@@ -31,12 +39,14 @@ def as_guidance(value: Any) -> Any:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Images:
-    """Drawn samples in [-1, 1], `[n, *sample_shape]`; on device until `.host()`."""
+    """Drawn samples in [-1, 1], `[n, *sample_shape]`; on device until `.host()`. A latent model's
+    result also carries the drawn `latents` its autoencoder decoded (None in pixel space)."""
 
     images: Any
+    latents: Any = None
 
     def host(self) -> Images:
-        return Images(np.asarray(self.images))
+        return Images(np.asarray(self.images), None if self.latents is None else np.asarray(self.latents))
 
     def uint8(self) -> np.ndarray:
         """The samples as uint8 0..255 (host NumPy)."""
@@ -70,6 +80,20 @@ class TextToImage:
     def __post_init__(self):
         object.__setattr__(self, "guidance", as_guidance(self.guidance))
         object.__setattr__(self, "steps", count(self.steps, "TextToImage.steps"))
+
+    @classmethod
+    def from_run(cls, directory: Any, *, step: int | None = None, ema: bool = True, **placement: Any) -> TextToImage:
+        """The task a saved diffusion run serves: its run.json (written by `DiffusionRunConfig.save` or
+        `RunConfig.save`) rebuilds the backbone, conditions, autoencoder and sampling defaults, over the
+        weights of `step` (the newest by default), the EMA copy when `ema`. `placement` passes `mesh=`,
+        `layout=`, `dtype=`, `param_dtype=` on as `dew.pipeline` takes them.
+
+        Reading a run needs the checkpoint and record layers above this one, so the reader is the one
+        `dew.pipeline` installs (`reads_runs_with`) when `dew.inference` is imported.
+        """
+        if _run_reader is None:
+            raise RuntimeError("No run reader is installed; import dew.inference (dew.pipeline installs it).")
+        return _run_reader(directory, step=step, ema=ema, **placement)
 
     def bind(self, variables: Any) -> TextToImage:
         return dataclasses.replace(self, variables=variables)
@@ -105,9 +129,9 @@ class TextToImage:
         x_T = self.process.noise(noise_key, (len(entries),) + tuple(self.sample_shape))
         denoise = self.process.denoiser(self.model, self.variables, conditions or None)
         x0 = sample(denoise, x_T, solver=solver, steps=steps, key=solver_key, guidance=guidance)
-        if self.autoencoder is not None:
-            x0 = self.autoencoder.decode(x0)
-        return Images(jnp.clip(x0, -1.0, 1.0))
+        if self.autoencoder is None:
+            return Images(jnp.clip(x0, -1.0, 1.0))
+        return Images(jnp.clip(self.autoencoder.decode(x0), -1.0, 1.0), latents=x0)
 
     def _text_conditions(self) -> list[Any]:
         """The conditions that encode prompts themselves (TextCondition: `encode_texts`)."""

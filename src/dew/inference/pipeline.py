@@ -17,6 +17,7 @@ from typing import Any
 
 from dew.config.run import RUN_FILE
 from dew.hub import is_repo_id, local_directory
+from dew.inference import image
 
 CONFIG_FILE = "config.json"
 
@@ -88,7 +89,7 @@ def _from_run(path: Path, *, step, ema, mesh, layout, dtype, param_dtype):
         if not hasattr(model, "dtype"):
             raise ValueError(f"dtype= sets a model's compute dtype, but {type(model).__name__} has no dtype field.")
         model = model.clone(dtype=jnp.dtype(dtype))
-    objective = run.config.objective.build(model)
+    objective = _build_objective(run, model)
     state = run.state()
     if "base" in getattr(model, "frozen_collections", ()):  # a LoRA run: its checkpoints hold the factors alone
         state = state.replace(variables={**state.variables, "base": _adapted_base(path, model)})
@@ -107,9 +108,46 @@ def _from_run(path: Path, *, step, ema, mesh, layout, dtype, param_dtype):
         replacements["processor"] = RunProcessor(tokenizer)
     if run.config.sampling is not None and _has_field(task, "sampling"):
         replacements["sampling"] = run.config.sampling
+    if isinstance(run.config.sampling, dict):  # a diffusion run's solver, steps and guidance
+        replacements.update({name: value for name, value in run.config.sampling.items() if _has_field(task, name)})
     if row_sharding is not None and _has_field(task, "row_sharding"):
         replacements["row_sharding"] = row_sharding
     return dataclasses.replace(task, **replacements) if replacements else task
+
+
+def _build_objective(run: Any, model: Any) -> Any:
+    """The run's objective around `model`; an objective that keeps parts of itself as files in the run
+    (a diffusion run's text encoder and autoencoder) rebuilds them with the loaders of `dew.interop`."""
+    rebuild = getattr(run.objective_class, "rebuild", None)
+    if rebuild is None:
+        return run.config.objective.build(model)
+    from dew.config.records import from_record
+    from dew.interop.autoencoders import PretrainedAutoencoder
+    from dew.interop.text_encoders import PretrainedTextEncoder
+
+    return rebuild(model, from_record(run.config.objective.settings), run.directory,
+                   load_text_encoder=PretrainedTextEncoder.load, load_autoencoder=PretrainedAutoencoder.load)
+
+
+def text_to_image_from_run(directory: str | os.PathLike, *, step: int | None = None, ema: bool = True,
+                           mesh: Any = None, layout: Any = None, dtype: Any = None, param_dtype: Any = None) -> Any:
+    """`TextToImage.from_run`: a saved diffusion run's task; a run of another kind raises before any
+    weights are read."""
+    from dew.config.run import RunConfig
+    from dew.config.saved import objective_class
+    from dew.objectives.diffusion import DiffusionObjective
+
+    path = Path(directory).expanduser()
+    cls = objective_class(RunConfig.load(path), path)
+    if not issubclass(cls, DiffusionObjective):
+        raise ValueError(
+            f"{path} is a {cls.__name__} run, not a diffusion run, so TextToImage cannot load it. "
+            f"dew.pipeline({str(path)!r}) builds the task each kind of run serves."
+        )
+    return _from_run(path, step=step, ema=ema, mesh=mesh, layout=layout, dtype=dtype, param_dtype=param_dtype)
+
+
+image.reads_runs_with(text_to_image_from_run)
 
 
 def _adapted_base(path: Path, model: Any) -> Any:

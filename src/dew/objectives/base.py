@@ -89,6 +89,11 @@ class InputSpec:
         """How a run record rebuilds this spec: ``InputSpec(*fields, conditions=...)``."""
         return self.fields, {"conditions": self.conditions}
 
+    def tokenize(self, captions: list[str]) -> dict[str, np.ndarray]:
+        """Captions -> the token columns the caption conditions read (`TextCondition.tokenize`), as a
+        data reader's ``load(tokenize=...)`` takes it; with no caption condition, no columns."""
+        return {field.key: field.tokenize(captions) for field in self.conditions.values() if hasattr(field, "tokenize")}
+
     def all_fields(self) -> tuple[Field, ...]:
         return self.fields + tuple(self.conditions.values())
 

@@ -6,10 +6,16 @@ process's target with the process's weighting. Conditions (labels, embeddings) a
 with `unconditional_prob`, so the same model also learns the unconditional denoiser that
 classifier-free guidance needs: a dropped label becomes -1 (the backbone's null class) and a dropped
 embedding becomes zeros.
+
+`DiffusionRunConfig` describes a whole diffusion run (backbone, data, trainer settings, process, a
+caption condition, an autoencoder, sampling defaults); it builds the objective and saves the run so
+that `TextToImage.from_run` and `dew.pipeline` rebuild its task alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any, Protocol
 
 import jax
@@ -17,9 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.diffusion.presets import as_process
-from dew.inference.image import TextToImage
-from dew.objectives.base import Aux, InputSpec, Objective, inference_variables
+from dew.checks import count
+from dew.inference.image import TextToImage, as_guidance
+from dew.objectives import run_record
+from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 from dew.pixels import to_unit_range
+from dew.sampling.solvers import Heun
 from dew.tracking.records import Artifact
 
 
@@ -75,6 +84,25 @@ class DiffusionObjective(Objective):
         self.preview_count = preview_count
         self.preview_steps = preview_steps
         self.evaluation_steps = evaluation_steps
+        if autoencoder is not None:
+            self._check_latents_fit_the_backbone()
+
+    def _check_latents_fit_the_backbone(self) -> None:
+        """Raise now, before anything compiles, when the backbone cannot take the autoencoder's latents."""
+        images = tuple(self.sample_field.shape)
+        latents = self.autoencoder.latent_shape(images)
+        x = jax.ShapeDtypeStruct((1,) + tuple(latents), jnp.float32)
+        noise = jax.ShapeDtypeStruct((1,), jnp.float32)
+        conditions = self._condition_examples(1) or None
+        try:
+            jax.eval_shape(lambda x, noise: self.model.init(jax.random.key(0), x, noise, conditions), x, noise)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                f"The autoencoder turns {images} images into {tuple(latents)} latents, which the backbone "
+                f"{type(self.model).__name__} cannot take (with conditions {sorted(conditions or {})}): "
+                f"{str(error).rstrip('.')}. Pick an autoencoder whose latents fit the backbone (latent_channels, "
+                "downsampling), or change the backbone (patch_size, conditions) or the image size."
+            ) from None
 
     @property
     def conditional(self) -> bool:
@@ -125,6 +153,13 @@ class DiffusionObjective(Objective):
         return initialized
 
     def check(self, batch) -> None:
+        for field in self.inputs.conditions.values():
+            if hasattr(field, "tokenize") and field.key not in batch:
+                raise ValueError(
+                    f"The batch has no caption column {field.key!r} (it has {sorted(batch)}), but the model is "
+                    f"conditioned on captions. Give the data captions and load it with "
+                    f"tokenize=objective.inputs.tokenize, so {field.key!r} holds int32 token ids [batch, {field.shape[0]}]."
+                )
         super().check(batch)
         sample = np.asarray(batch[self.sample_field.key])
         if sample.dtype != np.uint8 and not np.issubdtype(sample.dtype, np.floating):
@@ -237,6 +272,139 @@ class DiffusionObjective(Objective):
             labels = [None] * count
         result = task(labels, steps=self.preview_steps, solver=Heun(), key=key).host()
         return [Artifact("samples", "image", image_grid(result.uint8()))]
+
+    @classmethod
+    def rebuild(cls, model: Any, settings: dict[str, Any], directory: str | Path, *,
+                load_text_encoder: Any, load_autoencoder: Any) -> DiffusionObjective:
+        """The objective a run record's `settings` (records already read) describe around `model`.
+
+        A run saved by `DiffusionRunConfig` keeps its text encoder and autoencoder as files in the
+        run `directory` (settings["run_files"]); the caller, which sits above the objectives, passes
+        the functions that read them: ``load_text_encoder(path, max_length=, truncate=)`` and
+        ``load_autoencoder(path)``.
+        """
+        settings = dict(settings)
+        files = settings.pop(RUN_FILES, None) or {}
+        if files.get("autoencoder") is not None:
+            settings["autoencoder"] = load_autoencoder(Path(directory) / files["autoencoder"])
+        text = files.get("text")
+        if text is not None:
+            from dew.objectives.text_condition import TextCondition
+
+            encoder = load_text_encoder(Path(directory) / text["directory"], max_length=text["max_length"],
+                                        truncate=text["truncate"])
+            condition = TextCondition(encoder, layer=text["layer"], pooled=text["pooled"], mask=text["mask"],
+                                      key=text["key"], truncate=text["truncate"])
+            inputs = settings["inputs"]
+            settings["inputs"] = InputSpec(*inputs.fields, conditions={**inputs.conditions, condition.key: condition})
+        return cls(model, **settings)
+
+
+# --- a diffusion run described in one place ---------------------------------------------------------
+
+RUN_FILES = "run_files"  # objective settings key: the parts a run keeps as files beside run.json
+TEXT_ENCODER_DIRECTORY = "text_encoder"
+AUTOENCODER_DIRECTORY = "autoencoder"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionRunConfig:
+    """A diffusion run in one record: the backbone, the data, the trainer settings, the noise process,
+    and optionally a caption condition and an autoencoder, with the task's sampling defaults.
+
+    `build()` makes the `DiffusionObjective`; `save(directory)` writes run.json (the format
+    `RunConfig.save` writes) with the text encoder and the autoencoder stored beside it, so
+    `TextToImage.from_run(directory)` and `dew.pipeline(directory)` rebuild the task alone.
+
+    Attributes:
+      model: the backbone's `ModelConfig` (`ModelConfig.from_model(SimpleDiT(...))`).
+      data: the image reader (`TFDSImages`, `ImageFolder`, `Digits`): the sample shape is
+        (image_size, image_size, channels) unless `sample_shape` says otherwise.
+      trainer: a `TrainerConfig`. preset: a preset or Process (`EDM(regime="pixel")`).
+      text: None (unconditional) or a `TextCondition`: its encoder is saved into the run.
+      autoencoder: None (pixel space) or an `Autoencoder` that can `save(directory)`
+        (`PretrainedAutoencoder`, from `load(directory)` or `from_model(model, variables)`).
+      optim: an `OptimConfig` to record (None records the default).
+      solver, steps, guidance: the task's sampling defaults (`guidance` a CFG, a scale or None).
+    """
+
+    model: Any
+    data: Any
+    trainer: Any
+    preset: Any
+    text: Any = None
+    autoencoder: Any = None
+    optim: Any = None
+    sample_shape: tuple[int, ...] | None = None
+    ema_decay: float | None = 0.999
+    unconditional_prob: float = 0.1
+    solver: Any = dataclasses.field(default_factory=Heun)
+    steps: int = 40
+    guidance: Any = None
+
+    def __post_init__(self):
+        if not callable(getattr(self.model, "build", None)):
+            raise TypeError(
+                f"DiffusionRunConfig.model is the backbone's ModelConfig (ModelConfig.from_model(SimpleDiT(...))); "
+                f"got {type(self.model).__name__}."
+            )
+        if self.text is not None and not hasattr(self.text, "encode_texts"):
+            raise TypeError(f"DiffusionRunConfig.text is None or a TextCondition; got {type(self.text).__name__}.")
+        if self.autoencoder is not None and not callable(getattr(self.autoencoder, "save", None)):
+            raise TypeError(
+                f"DiffusionRunConfig.autoencoder is stored with the run, so it needs save(directory); "
+                f"{type(self.autoencoder).__name__} has none. Wrap a trained AutoencoderKL as "
+                "PretrainedAutoencoder.from_model(model, variables), or load one with PretrainedAutoencoder.load."
+            )
+        object.__setattr__(self, "guidance", as_guidance(self.guidance))
+        object.__setattr__(self, "steps", count(self.steps, "DiffusionRunConfig.steps"))
+
+    def image_shape(self) -> tuple[int, ...]:
+        """The shape of one training image: `sample_shape`, or the data's image_size and channels."""
+        if self.sample_shape is not None:
+            return tuple(self.sample_shape)
+        size = getattr(self.data, "image_size", None)
+        if size is None:
+            raise ValueError(
+                f"DiffusionRunConfig cannot tell the image shape: {type(self.data).__name__} has no image_size. "
+                "Pass sample_shape=(height, width, channels)."
+            )
+        return (size, size, getattr(self.data, "channels", 3))
+
+    def build(self) -> DiffusionObjective:
+        """The objective this run trains."""
+        conditions = {} if self.text is None else {self.text.key: self.text}
+        return DiffusionObjective(
+            self.model.build(), self.preset, InputSpec(Field("image", self.image_shape()), conditions=conditions),
+            ema_decay=self.ema_decay, unconditional_prob=self.unconditional_prob, autoencoder=self.autoencoder,
+        )
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the run's text encoder and autoencoder into `directory`, then run.json (atomically, last,
+        so a run.json never names files that are not there). Returns run.json's path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        objective = self.build()
+        settings = objective.settings()
+        settings["autoencoder"] = None
+        settings["inputs"] = InputSpec(objective.sample_field, conditions={
+            name: field for name, field in objective.inputs.conditions.items() if field is not self.text})
+        files: dict[str, Any] = {}
+        if self.autoencoder is not None:
+            self.autoencoder.save(directory / AUTOENCODER_DIRECTORY, overwrite=True)
+            files["autoencoder"] = AUTOENCODER_DIRECTORY
+        if self.text is not None:
+            text = self.text
+            # the encoder's files with the condition's tokenizer, which may differ from the encoder's own
+            dataclasses.replace(text.encoder, tokens=text.tokens).save(directory / TEXT_ENCODER_DIRECTORY, overwrite=True)
+            files["text"] = {"directory": TEXT_ENCODER_DIRECTORY, "max_length": text.tokens.max_length,
+                             "truncate": text.tokens.truncate, "layer": text.layer, "pooled": text.pooled,
+                             "mask": text.mask, "key": text.key}
+        if files:
+            settings[RUN_FILES] = files
+        sampling = {"solver": self.solver, "steps": self.steps, "guidance": self.guidance}
+        return run_record.write(directory, model=self.model, data=self.data, optim=self.optim, trainer=self.trainer,
+                                objective_class=DiffusionObjective, objective_settings=settings, sampling=sampling)
 
 
 def __getattr__(name: str):
