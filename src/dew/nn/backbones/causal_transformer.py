@@ -33,6 +33,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn import gpipe
 from dew.nn.attention import cache_attention, check_attention_impl
+from dew.nn.backbones.decoder_parts import INIT_STD, RMSNorm, named_dense, rope_context
+from dew.nn.backbones.latent_attention import LatentAttention, latent_settings
 from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_plan, resolve_mlp_plan
 from dew.nn import kv_pages
 from dew.nn.kv_cache import KVCache, check_layout, init_kv_cache, write_kv, write_positions
@@ -43,7 +45,6 @@ from dew.nn.sequence_parallel import split_length, token_rows
 from dew.nn.sequence_parallel import attention as sequence_attention
 
 REMAT_POLICIES = ("full", "minimal", "save_qkv_proj", "minimal_offloaded", "save_qkv_proj_offloaded")
-INIT_STD = 0.02  # N(0, 0.02) for every weight, as in GPT-2 / Llama's initializer_range
 
 
 def check_tokens(tokens: Any, vocab_size: int) -> None:
@@ -88,37 +89,6 @@ def remat_policy(name: str | None):
     return policies[name]
 
 
-def _dense(features, axes, name, *, use_bias=False, std=INIT_STD, dtype, param_dtype):
-    """nn.Dense with logically named kernel [in, out] and bias [out]."""
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
-        name=name,
-    )
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * scale, computed in float32 like HF's LlamaRMSNorm."""
-
-    eps: float = 1e-6
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-            (x.shape[-1],), self.param_dtype,
-        )
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(self.dtype) * scale.astype(self.dtype)
-
-
 class SelfAttention(nn.Module):
     """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm, and a KV cache.
 
@@ -147,15 +117,15 @@ class SelfAttention(nn.Module):
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries ``[N, heads * head_dim]``, keys and values ``[N, kv_heads * head_dim]`` of rows ``[N, width]``."""
         dense = dict(use_bias=self.use_bias or self.qkv_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        q = _dense(self.num_heads * self.head_dim, ("embed", "heads"), "q_proj", **dense)(x)
-        k = _dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
-        v = _dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
+        q = named_dense(self.num_heads * self.head_dim, ("embed", "heads"), "q_proj", **dense)(x)
+        k = named_dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "k_proj", **dense)(x)
+        v = named_dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), "v_proj", **dense)(x)
         return q, k, v
 
     def project_out(self, out: jax.Array, features: int) -> jax.Array:
         """The attended heads, rows ``[N, heads * head_dim]``, back to the model width `features`."""
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
-        return _dense(features, ("heads", "embed"), "o_proj", use_bias=self.use_bias, std=out_std,
+        return named_dense(features, ("heads", "embed"), "o_proj", use_bias=self.use_bias, std=out_std,
                       dtype=self.dtype, param_dtype=self.param_dtype)(out)
 
     @nn.compact
@@ -175,7 +145,7 @@ class SelfAttention(nn.Module):
             k = RMSNorm(name="k_norm", **norm)(k)
 
         inv_freq, attention_factor = rope_frequencies(
-            head_dim, self.rope_theta, self.rope_scaling, _rope_context(self.rope_scaling, self.max_seq_len)
+            head_dim, self.rope_theta, self.rope_scaling, rope_context(self.rope_scaling, self.max_seq_len)
         )
         cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -225,17 +195,6 @@ def _check_cache(cache: KVCache, batch: int, length: int) -> None:
         )
 
 
-def _rope_context(rope_scaling: Mapping[str, Any] | None, max_seq_len: int) -> int:
-    """The context length RoPE scaling reads (HF's max_position_embeddings).
-
-    A checkpoint's context length can differ from the ``max_seq_len`` a user runs it at, so
-    ``rope_scaling["max_position_embeddings"]`` (a Dew key) overrides it.
-    """
-    if rope_scaling is not None and rope_scaling.get("max_position_embeddings"):
-        return int(rope_scaling["max_position_embeddings"])
-    return max_seq_len
-
-
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202): down(silu(gate(x)) * up(x))."""
 
@@ -248,14 +207,14 @@ class MLP(nn.Module):
     def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The gate and up projections of rows ``[N, width]``, each ``[N, features]``."""
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        gate = _dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
-        up = _dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
+        gate = named_dense(self.features, ("embed", "mlp"), "gate_proj", **dense)(x)
+        up = named_dense(self.features, ("embed", "mlp"), "up_proj", **dense)(x)
         return gate, up
 
     def project_down(self, h: jax.Array, width: int) -> jax.Array:
         """The down projection of rows ``[N, features]`` back to ``[N, width]``."""
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
-        return _dense(width, ("mlp", "embed"), "down_proj", use_bias=self.use_bias, std=out_std,
+        return named_dense(width, ("mlp", "embed"), "down_proj", use_bias=self.use_bias, std=out_std,
                       dtype=self.dtype, param_dtype=self.param_dtype)(h)
 
     @nn.compact
@@ -323,7 +282,6 @@ class DecoderBlock(nn.Module):
     def _latent_attention(self) -> nn.Module:
         """DeepSeek's multi-head latent attention in place of `attention_class`."""
         # the latent attention module builds on this file's norm and projections, so it is imported here
-        from dew.nn.backbones.latent_attention import LatentAttention
 
         return LatentAttention(
             **self.latent_attention, num_heads=self.num_heads, num_layers=self.num_layers,
@@ -452,7 +410,6 @@ class CausalTransformer(nn.Module):
                 raise ValueError(f"mixture= must not set {reserved}; the model passes its own")
             Mixture(**self.mixture, parent=None)  # raises, naming the setting, on a bad mixture
         if self.latent_attention is not None:
-            from dew.nn.backbones.latent_attention import LatentAttention, latent_settings
 
             LatentAttention(**latent_settings(self.latent_attention), num_heads=self.num_heads,
                             num_layers=self.num_layers, parent=None)  # raises, naming the setting
@@ -601,7 +558,7 @@ class CausalTransformer(nn.Module):
         if self.tie_embeddings:
             logits = embed.attend(rows)
         else:
-            logits = _dense(self.vocab_size, ("embed", "vocab"), "lm_head", dtype=self.dtype,
+            logits = named_dense(self.vocab_size, ("embed", "vocab"), "lm_head", dtype=self.dtype,
                             param_dtype=self.param_dtype)(rows)
         logits = logits.reshape(batch, length, self.vocab_size).astype(jnp.float32)
         if cache is None:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from dew.checks import count
 from dew.nn.attention import attention_mask, dot_product_attention
-from dew.nn.backbones.causal_transformer import INIT_STD, RMSNorm, _dense, _rope_context
+from dew.nn.backbones.decoder_parts import INIT_STD, RMSNorm, named_dense, rope_context
 from dew.nn.kv_cache import write_kv
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies
 
@@ -120,7 +120,7 @@ class LatentAttention(nn.Module):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         inv_freq, attention_factor = rope_frequencies(
             self.qk_rope_head_dim, self.rope_theta, self.rope_scaling,
-            _rope_context(self.rope_scaling, self.max_seq_len),
+            rope_context(self.rope_scaling, self.max_seq_len),
         )
         cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)
         return apply_rope(x, cos, sin)
@@ -136,15 +136,15 @@ class LatentAttention(nn.Module):
         rows = x.reshape(batch * length, emb)
 
         if self.q_lora_rank is None:
-            q = _dense(heads * self.qk_head_dim, ("embed", "heads"), "q_proj", **dense)(rows)
+            q = named_dense(heads * self.qk_head_dim, ("embed", "heads"), "q_proj", **dense)(rows)
         else:
-            q = _dense(self.q_lora_rank, ("embed", None), "q_a_proj", **dense)(rows)
+            q = named_dense(self.q_lora_rank, ("embed", None), "q_a_proj", **dense)(rows)
             q = RMSNorm(name="q_a_layernorm", **norm)(q)
-            q = _dense(heads * self.qk_head_dim, (None, "heads"), "q_b_proj", **dense)(q)
+            q = named_dense(heads * self.qk_head_dim, (None, "heads"), "q_b_proj", **dense)(q)
         q = q.reshape(batch, length, heads, self.qk_head_dim)
         q_nope, q_rope = q[..., :nope], self._rotate(q[..., nope:], positions)
 
-        compressed = _dense(self.cache_width, ("embed", None), "kv_a_proj_with_mqa", **dense)(rows)
+        compressed = named_dense(self.cache_width, ("embed", None), "kv_a_proj_with_mqa", **dense)(rows)
         latent = RMSNorm(name="kv_a_layernorm", **norm)(compressed[:, : self.kv_lora_rank])
         latent = latent.reshape(batch, length, self.kv_lora_rank)
         k_rope = self._rotate(compressed[:, self.kv_lora_rank:].reshape(batch, length, 1, rope), positions)
@@ -158,7 +158,7 @@ class LatentAttention(nn.Module):
             out, new_cache = self._absorbed(q_nope, q_rope, latent, k_rope, kv_b, positions, layer_cache, slots)
 
         out_std = INIT_STD / math.sqrt(2 * self.num_layers)  # GPT-2's scaled residual init
-        out = _dense(emb, ("heads", "embed"), "o_proj", std=out_std, **dense)(
+        out = named_dense(emb, ("heads", "embed"), "o_proj", std=out_std, **dense)(
             out.reshape(batch * length, heads * self.v_head_dim))
         return out.reshape(batch, length, emb), new_cache
 
