@@ -10,9 +10,7 @@ gpt_oss-mxfp4 holds the same model with those kernels packed as the release stor
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import flax.linen as nn
@@ -27,11 +25,11 @@ from dew.interop.families import gpt_oss, llama
 from dew.interop.safetensors_io import SafetensorsFile, save_file
 from dew.nn.backbones.causal_transformer import CausalTransformer
 from dew.nn.backbones.layer_plan import LayerKind
+from hf_reference import moved_variables, transformers_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/hf"
 DENSE, PACKED = FIXTURES / "gpt_oss", FIXTURES / "gpt_oss-mxfp4"
-REF_PYTHON = ROOT / ".venv-ref/bin/python"
 TOLERANCE = 1e-4
 REFERENCE = np.load(DENSE / "reference.npz")
 
@@ -285,23 +283,12 @@ def test_a_model_with_sinks_built_in_dew_exports_as_gpt_oss(tmp_path):
 @pytest.mark.reference
 @pytest.mark.parametrize("which", ["dense", "mxfp4"])
 def test_transformers_reads_a_trained_gpt_oss_export_with_the_same_logits(tmp_path, loaded, which):
-    if not REF_PYTHON.exists():
-        pytest.skip(f"{REF_PYTHON} is missing; create it as tools/hf_decoder_fixtures.py describes")
     bundle = loaded[which]
-    rng = np.random.default_rng(1)
-    moved = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32)),
-        nn.unbox(bundle.variables))
+    moved = moved_variables(bundle)
     out = bundle.save(tmp_path / "export", variables=moved)
     again = PretrainedDecoder.load(out)  # for MXFP4, the weights as packed
     ids = (np.arange(20).reshape(2, 10) * 37 % 128).astype(np.int32)
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    done = subprocess.run(
-        [str(REF_PYTHON), str(ROOT / "tools/hf_check_export.py"), str(out), "--ids", json.dumps(ids.tolist())],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = transformers_reads(out, ids)
     assert result["model_type"] == "gpt_oss"
     want = logits(again.model, again.variables, ids)
     np.testing.assert_allclose(np.asarray(result["logits"]), want, atol=TOLERANCE, rtol=0)

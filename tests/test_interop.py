@@ -8,10 +8,7 @@ greedy output).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -27,11 +24,11 @@ from dew.interop.safetensors_io import INDEX_FILE, SafetensorsFile, save_file
 from dew.nn.backbones.causal_transformer import CausalTransformer
 from dew.nn.backbones.layer_plan import LayerKind
 from dew.sampling.text import Sampling
+from hf_reference import transformers_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/hf"
 TOKENIZER = ROOT / "tests/fixtures/tokenizers/tiny-tools"
-REF_PYTHON = ROOT / ".venv-ref/bin/python"
 TOLERANCE = 1e-4
 NAMES = ["llama", "qwen3", "qwen3-sliding", "mistral"]
 
@@ -514,8 +511,6 @@ def test_a_failed_save_leaves_nothing_behind(tmp_path, loaded, monkeypatch):
 @pytest.mark.reference
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 def test_transformers_reads_a_dew_export_with_the_same_logits(tmp_path, qk_norm):
-    if not REF_PYTHON.exists():
-        pytest.skip(f"{REF_PYTHON} is missing; create it as tools/hf_decoder_fixtures.py describes")
     tokenizer = HFTokenizer(TOKENIZER)
     model = small_model(vocab_size=tokenizer.vocab_size, qk_norm=qk_norm, tie_embeddings=qk_norm,
                         rope_theta=50000.0,
@@ -527,13 +522,7 @@ def test_transformers_reads_a_dew_export_with_the_same_logits(tmp_path, qk_norm)
     variables = init(model)
     out = PretrainedDecoder.from_model(model, variables, tokenizer=tokenizer).save(tmp_path / "export")
     ids = (np.arange(20).reshape(2, 10) * 37 % tokenizer.vocab_size).astype(np.int32)
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    done = subprocess.run(
-        [str(REF_PYTHON), str(ROOT / "tools/hf_check_export.py"), str(out), "--ids", json.dumps(ids.tolist())],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = transformers_reads(out, ids)
     assert result["model_type"] == ("qwen3" if qk_norm else "llama")
     assert result["tokenizer_vocab"] == tokenizer.vocab_size
     np.testing.assert_allclose(np.asarray(result["logits"]), np.asarray(model.apply(variables, ids)),

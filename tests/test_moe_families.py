@@ -10,9 +10,7 @@ and, for the mixtures, the load-balancing loss transformers reports.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import flax.linen as nn
@@ -27,10 +25,10 @@ from dew.interop.families import qwen3_moe
 from dew.interop.safetensors_io import SafetensorsFile
 from dew.nn.backbones.causal_transformer import CausalTransformer
 from dew.nn.moe import router_metrics
+from hf_reference import moved_variables, transformers_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/hf"
-REF_PYTHON = ROOT / ".venv-ref/bin/python"
 TOLERANCE = 1e-4
 NAMES = ["qwen2", "mixtral", "qwen3_moe"]
 
@@ -254,22 +252,11 @@ def test_checkpoint_settings_dew_does_not_implement_are_named(tmp_path):
 @pytest.mark.reference
 @pytest.mark.parametrize("name", NAMES)
 def test_transformers_reads_a_trained_export_with_the_same_logits(tmp_path, loaded, name):
-    if not REF_PYTHON.exists():
-        pytest.skip(f"{REF_PYTHON} is missing; create it as tools/hf_decoder_fixtures.py describes")
     bundle = loaded[name]
-    rng = np.random.default_rng(1)
-    moved = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32)),
-        nn.unbox(bundle.variables))
+    moved = moved_variables(bundle)
     out = bundle.save(tmp_path / "export", variables=moved)
     ids = (np.arange(20).reshape(2, 10) * 37 % 128).astype(np.int32)
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    done = subprocess.run(
-        [str(REF_PYTHON), str(ROOT / "tools/hf_check_export.py"), str(out), "--ids", json.dumps(ids.tolist())],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = transformers_reads(out, ids)
     assert result["model_type"] == name
     want = logits(bundle.model, moved, ids)
     np.testing.assert_allclose(np.asarray(result["logits"]), want, atol=TOLERANCE, rtol=0)
