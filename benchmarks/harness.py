@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -56,6 +57,14 @@ def hardware() -> str:
     import platform
 
     return f"{platform.processor() or platform.machine()}, {cores()} cores"
+
+
+def timed_calls(call: Callable[[], Any], calls: int) -> float:
+    """Wall seconds of `calls` calls of `call` (each one waiting for its own result)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return time.perf_counter() - start
 
 
 def timed_fit(trainer, batches: Sequence, batch: int, steps: int) -> float:

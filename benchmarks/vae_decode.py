@@ -27,7 +27,6 @@ import json
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -55,10 +54,7 @@ class DewDecoding(harness.Runner):
         self.info = {"jax": jax.__version__}
 
     def window(self):
-        start = time.perf_counter()
-        for _ in range(self.window_calls):
-            self.decode()
-        return time.perf_counter() - start, self.batch * self.window_calls
+        return harness.timed_calls(self.decode, self.window_calls), self.batch * self.window_calls
 
     def finish(self):
         np.save(self.workdir / "images_dew.npy", self.images)
@@ -83,10 +79,7 @@ class DiffusersDecoding(harness.Runner):
         self.info = {"threads": torch.get_num_threads(), "torch": torch.__version__, "diffusers": diffusers.__version__}
 
     def window(self):
-        start = time.perf_counter()
-        for _ in range(self.window_calls):
-            self.decode()
-        return time.perf_counter() - start, self.batch * self.window_calls
+        return harness.timed_calls(self.decode, self.window_calls), self.batch * self.window_calls
 
     def finish(self):
         if self.save:
