@@ -41,3 +41,25 @@ def transformers_reads(export: Path, ids: np.ndarray) -> dict:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+FIXTURES = ROOT / "tests/fixtures/hf"  # tools/hf_decoder_fixtures.py writes one directory per family
+TOLERANCE = 1e-4  # float32 logits against transformers'
+_APPLY = {}  # one jitted apply per model, shared by every test that reads logits
+
+
+def reference(name: str):
+    """What transformers recorded for fixture `name`: input_ids, logits, greedy tokens, ..."""
+    return np.load(FIXTURES / name / "reference.npz")
+
+
+def logits(model, variables, ids) -> np.ndarray:
+    """The model's logits for `ids`, through one jitted apply per model."""
+    if model not in _APPLY:
+        _APPLY[model] = jax.jit(model.apply)
+    return np.asarray(_APPLY[model](variables, jnp.asarray(ids)))
+
+
+def far(got, want) -> bool:
+    """Whether logits differ by far more than the parity tolerance (a negative control's check)."""
+    return np.abs(got - want).max() > 100 * TOLERANCE

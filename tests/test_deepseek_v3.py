@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -23,34 +22,14 @@ import pytest
 from dew.interop import PretrainedDecoder
 from dew.interop.safetensors_io import SafetensorsFile
 from dew.nn.backbones.causal_transformer import CausalTransformer
-from hf_reference import moved_variables, transformers_reads
+from hf_reference import FIXTURES, TOLERANCE, far, logits, moved_variables, reference, transformers_reads
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests/fixtures/hf"
-TOLERANCE = 1e-4
 NAMES = ["deepseek_v3", "deepseek_v3-full-q"]
-
-
-def reference(name):
-    return np.load(FIXTURES / name / "reference.npz")
 
 
 @pytest.fixture(scope="module")
 def loaded():
     return {name: PretrainedDecoder.load(FIXTURES / name) for name in NAMES}
-
-
-_APPLY = {}
-
-
-def logits(model, variables, ids):
-    if model not in _APPLY:
-        _APPLY[model] = jax.jit(model.apply)
-    return np.asarray(_APPLY[model](variables, jnp.asarray(ids)))
-
-
-def far(got, want):
-    return np.abs(got - want).max() > 100 * TOLERANCE
 
 
 def params_of(bundle):
