@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dew import Dataset, Loading, MeshSpec
-from dew.checks import count, count_fields
+from dew.checks import count, count_fields, one_of
 from dew.data.images import Digits
 from dew.data.tokens import TokenWindows
 from dew.diffusion.schedules import KarrasSchedule
@@ -92,3 +92,11 @@ def test_group_advantages_take_numpy_group_counts_and_refuse_floats():
         group_advantages(rewards, 2.0)
     with pytest.raises(ValueError, match=r"rloo_advantages groups .* must be an integer >= 2; got 1"):
         rloo_advantages(rewards, 1)
+
+
+def test_one_of_returns_a_listed_value_and_names_every_choice_otherwise():
+    assert one_of("b", ("a", "b"), "mode", what="a mode") == "b"
+    with pytest.raises(ValueError, match=r"^mode='c' is not a mode; use one of 'a', 'b'$"):
+        one_of("c", ("a", "b"), "mode", what="a mode")
+    with pytest.raises(ValueError, match=r"use None \(off\) or one of 'a', 'b'$"):
+        one_of("c", ("a", "b"), "mode", what="a mode", extra="None (off)")

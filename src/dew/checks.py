@@ -32,3 +32,12 @@ def count_fields(record: Any, **minimums: int) -> None:
     for name, minimum in minimums.items():
         value = count(getattr(record, name), f"{type(record).__name__}.{name}", minimum=minimum)
         object.__setattr__(record, name, value)
+
+
+def one_of(value: Any, choices: Any, name: str, *, what: str, extra: str = "") -> Any:
+    """`value` if it is among `choices`, else a ValueError naming the argument, what it must be and
+    every accepted value (``extra`` is prepended to that list, e.g. "None (the default)")."""
+    if value in choices:
+        return value
+    listed = ", ".join(repr(choice) for choice in choices)
+    raise ValueError(f"{name}={value!r} is not {what}; use {extra + ' or ' if extra else ''}one of {listed}")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.checks import count
+from dew.checks import count, one_of
 from dew.nn.kv_quant import Quantized, rotate
 
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")
@@ -42,12 +42,7 @@ _HIGH_PRECISIONS = ("high", "highest", "float32", "tensorfloat32", "bfloat16_3x"
 
 def check_attention_impl(impl: str) -> str:
     """Return `impl` if Dew knows it, else raise a ValueError listing the kernels it knows."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(
-            f"attention_impl={impl!r} is not a known attention kernel; "
-            f"use one of {', '.join(repr(i) for i in ATTENTION_IMPLS)}"
-        )
-    return impl
+    return one_of(impl, ATTENTION_IMPLS, "attention_impl", what="a known attention kernel")
 
 
 def _asks_for_high_precision(precision: Any) -> bool:

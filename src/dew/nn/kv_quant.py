@@ -27,18 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.checks import one_of
+
 QUANTIZED_FORMATS = ("int8", "float8_e4m3fn")
 LARGEST_CODE = {"int8": 127.0, "float8_e4m3fn": 448.0}  # symmetric: -127..127 (never -128), e4m3's max
 
 
 def check_quantized(quantized: str | None) -> str | None:
     """Return `quantized` (None: keys and values stored unquantized) or raise naming the formats."""
-    if quantized is not None and quantized not in QUANTIZED_FORMATS:
-        raise ValueError(
-            f"quantized={quantized!r} is not a KV cache storage format; use None (the compute dtype) "
-            f"or one of {', '.join(repr(f) for f in QUANTIZED_FORMATS)}"
-        )
-    return quantized
+    if quantized is None:
+        return None
+    return one_of(quantized, QUANTIZED_FORMATS, "quantized", what="a KV cache storage format",
+                  extra="None (the compute dtype)")
 
 
 def rotates_keys(quantized: str | None) -> bool:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dew.checks import one_of
 from dew.nn.attention import dot_product_attention
 
 EXCHANGES = ("auto", "ulysses", "gather")
@@ -47,12 +48,7 @@ EXCHANGES = ("auto", "ulysses", "gather")
 
 def check_exchange(exchange: str) -> str:
     """Return `exchange` if it names a sequence-parallel exchange, else raise listing them."""
-    if exchange not in EXCHANGES:
-        raise ValueError(
-            f"sequence_exchange={exchange!r} is not a sequence-parallel exchange; use one of "
-            f"{', '.join(repr(e) for e in EXCHANGES)}"
-        )
-    return exchange
+    return one_of(exchange, EXCHANGES, "sequence_exchange", what="a sequence-parallel exchange")
 
 
 @dataclasses.dataclass(frozen=True)
