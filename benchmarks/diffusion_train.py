@@ -47,8 +47,6 @@ Prints one JSON line per part. Needs torch, diffusers and Dew:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import json
 import math
 import pickle
@@ -56,7 +54,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -128,16 +125,8 @@ class DewTraining(harness.Runner):
 
     def fit(self, batches, steps: int):
         """Train `steps` steps from a fresh state, as a user's `fit` call does: (seconds, state)."""
-        from dew import Dataset
-
-        rows = [{"image": b} for b in batches]
-        data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows) * self.batch,
-                       batch=self.batch)
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            state = self.trainer.fit(data, steps=steps, log_every=steps)
-        self.jax.block_until_ready(state)
-        return time.perf_counter() - start, state
+        return harness.fit_window(self.trainer, batches, self.batch, steps, column="image",
+                                  records=len(batches) * self.batch)
 
     def window(self):
         return self.fit(self.timed, self.steps)[0], self.steps
@@ -177,9 +166,7 @@ class DewSampling(harness.Runner):
         self.info = {}
 
     def window(self):
-        start = time.perf_counter()
-        self.draw()
-        return time.perf_counter() - start, self.batch
+        return harness.timed_calls(self.draw, 1), self.batch
 
     def finish(self):
         np.save(self.workdir / "samples_dew.npy", self.samples)
@@ -380,9 +367,7 @@ class TorchTraining(harness.Runner):
         return [float(x) for x in [self.step(b) for b in batches]]  # losses read after the loop
 
     def window(self):
-        start = time.perf_counter()
-        self.run(self.timed)
-        return time.perf_counter() - start, len(self.timed)
+        return harness.timed_calls(lambda: self.run(self.timed), 1), len(self.timed)
 
 
 class DiffusersSampling(harness.Runner):
@@ -407,9 +392,7 @@ class DiffusersSampling(harness.Runner):
         return diffusers_sample(self.torch, self.scheduler, self.exact_sigmas, self.net, self.x_T, self.steps)
 
     def window(self):
-        start = time.perf_counter()
-        self.draw()
-        return time.perf_counter() - start, self.x_T.shape[0]
+        return harness.timed_calls(self.draw, 1), self.x_T.shape[0]
 
     def finish(self):
         if self.save:

@@ -70,19 +70,27 @@ def timed_calls(call: Callable[[], Any], calls: int) -> float:
 def timed_fit(trainer, batches: Sequence, batch: int, steps: int) -> float:
     """Wall seconds of `trainer.fit` over `steps` steps of `batches` ("text" rows, cycled), as a
     user's fit call runs them (its log lines go to stderr, the worker's log)."""
+    return fit_window(trainer, batches, batch, steps)[0]
+
+
+def fit_window(trainer, batches: Sequence, batch: int, steps: int, *, column: str = "text",
+               records: int | None = None) -> tuple[float, Any]:
+    """`(seconds, state)` of one `trainer.fit` over `steps` steps of `batches`, each the `column`
+    of a row, cycled; `records` is the dataset's size (``len(batches)`` by default)."""
     import itertools
 
     import jax
 
     from dew import Dataset
 
-    rows = [{"text": b} for b in batches]
-    data = Dataset(train=lambda partition: itertools.cycle(rows), records=len(rows), batch=batch)
+    rows = [{column: b} for b in batches]
+    data = Dataset(train=lambda partition: itertools.cycle(rows),
+                   records=len(rows) if records is None else records, batch=batch)
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
         state = trainer.fit(data, steps=steps, log_every=steps)
     jax.block_until_ready(state)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, state
 
 
 def peer_environment(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -25,31 +24,16 @@ from dew.interop.families import gpt_oss, llama
 from dew.interop.safetensors_io import SafetensorsFile, save_file
 from dew.nn.backbones.causal_transformer import CausalTransformer
 from dew.nn.backbones.layer_plan import LayerKind
-from hf_reference import moved_variables, transformers_reads
+from hf_reference import FIXTURES, TOLERANCE, far, logits, moved_variables, transformers_reads
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests/fixtures/hf"
 DENSE, PACKED = FIXTURES / "gpt_oss", FIXTURES / "gpt_oss-mxfp4"
-TOLERANCE = 1e-4
 REFERENCE = np.load(DENSE / "reference.npz")
+IDS, LOGITS = REFERENCE["input_ids"], REFERENCE["logits"]
 
 
 @pytest.fixture(scope="module")
 def loaded():
     return {"dense": PretrainedDecoder.load(DENSE), "mxfp4": PretrainedDecoder.load(PACKED)}
-
-
-_APPLY = {}
-
-
-def logits(model, variables, ids=REFERENCE["input_ids"]):
-    if model not in _APPLY:
-        _APPLY[model] = jax.jit(model.apply)
-    return np.asarray(_APPLY[model](variables, jnp.asarray(ids)))
-
-
-def far(got, want=REFERENCE["logits"]):
-    return np.abs(got - want).max() > 100 * TOLERANCE
 
 
 def params(bundle):
@@ -62,7 +46,7 @@ def params(bundle):
 @pytest.mark.parametrize("which", ["dense", "mxfp4"])
 def test_gpt_oss_matches_transformers_logits_and_greedy_tokens(loaded, which):
     bundle = loaded[which]
-    np.testing.assert_allclose(logits(bundle.model, bundle.variables), REFERENCE["logits"], atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(logits(bundle.model, bundle.variables, IDS), LOGITS, atol=TOLERANCE, rtol=0)
     # generate decodes with the KV cache: sinks and the sliding window apply to cached keys by position
     steps = REFERENCE["greedy"].shape[1]
     result = bundle.text_generation()(REFERENCE["prompt"], steps, key=jax.random.key(0)).host()
@@ -78,25 +62,25 @@ def test_one_row_decodes_gpt_oss_from_the_decode_layout_as_transformers_does(loa
 
 def test_scanned_layers_keep_each_layers_window_and_sinks(loaded):
     scanned = PretrainedDecoder.load(DENSE, scan_layers=True)
-    np.testing.assert_allclose(logits(scanned.model, scanned.variables), REFERENCE["logits"], atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(logits(scanned.model, scanned.variables, IDS), LOGITS, atol=TOLERANCE, rtol=0)
 
 
 def test_the_comparison_catches_dropped_sinks_an_unclamped_swiglu_and_all_full_attention(loaded):
     """Negative controls: each thing GPT-OSS adds moves the logits far past the tolerance if lost."""
     bundle = loaded["dense"]
     model, variables = bundle.model, bundle.variables
-    assert not far(logits(model, variables))
+    assert not far(logits(model, variables, IDS), LOGITS)
     no_sinks = params(bundle)
     for layer in ("layers_0", "layers_1"):
         del no_sinks[layer]["self_attn"]["sinks"]
-    assert far(logits(model.clone(attention_sinks=False), {"params": no_sinks}))
-    assert far(logits(model.clone(mixture={**model.mixture, "swiglu_limit": 1e9}), variables))
-    assert far(logits(model.clone(mixture={**model.mixture, "activation": "swiglu"}), variables))
-    assert far(logits(model.clone(layer_types=("full_attention",) * 2), variables))
-    assert far(logits(model.clone(rope_scaling=None), variables))
+    assert far(logits(model.clone(attention_sinks=False), {"params": no_sinks}, IDS), LOGITS)
+    assert far(logits(model.clone(mixture={**model.mixture, "swiglu_limit": 1e9}), variables, IDS), LOGITS)
+    assert far(logits(model.clone(mixture={**model.mixture, "activation": "swiglu"}), variables, IDS), LOGITS)
+    assert far(logits(model.clone(layer_types=("full_attention",) * 2), variables, IDS), LOGITS)
+    assert far(logits(model.clone(rope_scaling=None), variables, IDS), LOGITS)
     no_router_bias = params(bundle)
     no_router_bias["layers_0"]["mlp"]["gate_bias"] = jnp.zeros_like(no_router_bias["layers_0"]["mlp"]["gate_bias"])
-    assert far(logits(model, {"params": no_router_bias}))
+    assert far(logits(model, {"params": no_router_bias}, IDS), LOGITS)
 
 
 def test_the_load_balancing_loss_is_the_one_transformers_reports(loaded):
