@@ -1,8 +1,8 @@
 """LoRA adapters on published checkpoints: training the factors alone, merging, and PEFT's format.
 
 Parity with PEFT: tests/fixtures/peft/llama-lora is an adapter trained by peft on the tiny Llama
-fixture, and tests/fixtures/peft/qwen3-moe-lora one on the tiny Qwen3-MoE fixture that also covers
-the experts' stacked parameters (target_parameters), each with the logits peft computed
+fixture, and tests/fixtures/peft/{qwen3-moe,gpt-oss,deepseek-v3}-lora adapters on the tiny mixture
+fixtures that also cover the experts' stacked parameters (target_parameters), each with the logits peft computed
 (tools/peft_adapter_fixture.py); Dew loads them and matches them. The `reference` tests run peft
 live on adapters Dew saved.
 """
@@ -31,6 +31,11 @@ QWEN3 = FIXTURES / "hf" / "qwen3"
 PEFT_ADAPTER = FIXTURES / "peft" / "llama-lora"
 QWEN3_MOE = FIXTURES / "hf" / "qwen3_moe"
 MOE_ADAPTER = FIXTURES / "peft" / "qwen3-moe-lora"
+# families whose experts are adapted as Qwen3-MoE's are: (base, PEFT adapter, its target_modules)
+EXPERT_FAMILIES = {
+    "gpt_oss": (FIXTURES / "hf" / "gpt_oss", FIXTURES / "peft" / "gpt-oss-lora", ("q_proj",)),
+    "deepseek_v3": (FIXTURES / "hf" / "deepseek_v3", FIXTURES / "peft" / "deepseek-v3-lora", ("o_proj", "q_b_proj")),
+}
 EXPERT_PARAMETERS = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -234,6 +239,36 @@ def test_a_peft_adapter_on_stacked_experts_loads_with_peft_logits_and_the_contro
     assert np.abs(swapped.apply(adapted.variables, ids) - reference["logits"]).max() > 1e-2
 
 
+@pytest.mark.parametrize("family", sorted(EXPERT_FAMILIES))
+def test_peft_expert_adapters_load_on_gpt_oss_and_deepseek_with_peft_logits(monkeypatch, family):
+    """GPT-OSS's fused, interleaved gate_up_proj [experts, in, out] and DeepSeek-V3's routed experts
+    (its first layer dense), each with attention projections, against PEFT's logits."""
+    from dew.interop import adapted as adapted_module
+
+    base, adapter, modules = EXPERT_FAMILIES[family]
+    reference = np.load(adapter / "reference.npz")
+    ids = reference["input_ids"]
+    lora = LoRA.load(adapter)
+    assert (lora.modules, lora.parameters) == (modules, EXPERT_PARAMETERS)
+    adapted = Pretrained.load(base).adapt(lora)
+    layers = sorted({int(p.name.split(".")[2]) for p in adapted.parameters})
+    assert layers == ([0, 1] if family == "gpt_oss" else [1, 2])
+    np.testing.assert_allclose(adapted.model.apply(adapted.variables, ids), reference["logits"], atol=1e-4)
+    merged = adapted.merge()
+    np.testing.assert_allclose(merged.model.apply(merged.variables, ids), reference["logits"], atol=1e-4)
+    assert np.abs(reference["logits"] - reference["base_logits"]).max() > 1.0
+
+    right = adapted_module._experts_from_peft  # negative control: A read expert-minor, as B is
+
+    def expert_minor_a(a, b, experts, rank):
+        return a.reshape(rank, experts, a.shape[-1]).transpose(1, 2, 0), right(a, b, experts, rank)[1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(adapted_module, "_experts_from_peft", expert_minor_a)
+        wrong = Pretrained.load(base).adapt(LoRA.load(adapter))
+    assert np.abs(wrong.model.apply(wrong.variables, ids) - reference["logits"]).max() > 1e-2
+
+
 def test_expert_adapters_save_as_peft_does_and_train_alone(tmp_path):
     base = Pretrained.load(QWEN3_MOE)
     adapted = base.adapt(LoRA(rank=2, alpha=6, modules=("q_proj",), parameters=("gate_up_proj", "down_proj")), key=0)
@@ -393,18 +428,20 @@ def test_an_adapter_saved_by_dew_gives_dews_logits_in_peft(tmp_path):
 
 
 @pytest.mark.reference
-def test_an_expert_adapter_saved_by_dew_gives_dews_logits_in_peft(tmp_path):
+@pytest.mark.parametrize("base", [QWEN3_MOE, EXPERT_FAMILIES["gpt_oss"][0], EXPERT_FAMILIES["deepseek_v3"][0]],
+                         ids=["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_an_expert_adapter_saved_by_dew_gives_dews_logits_in_peft(tmp_path, base):
     import peft
     import torch
     import transformers
 
-    adapted = Pretrained.load(QWEN3_MOE).adapt(
-        LoRA(rank=2, alpha=4, modules=("q_proj", "o_proj"), parameters=EXPERT_PARAMETERS), key=0)
+    adapted = Pretrained.load(base).adapt(
+        LoRA(rank=2, alpha=4, modules=("o_proj",), parameters=EXPERT_PARAMETERS), key=0)
     variables = perturbed(adapted)
     adapted.save_adapter(tmp_path / "adapter", variables)
     ids = tokens()
     expected = np.asarray(adapted.model.apply(variables, ids))
-    model = transformers.AutoModelForCausalLM.from_pretrained(QWEN3_MOE, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     with_adapter = peft.PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
     with torch.no_grad():
         logits = with_adapter(input_ids=torch.from_numpy(np.asarray(ids, np.int64))).logits.numpy()

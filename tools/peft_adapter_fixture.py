@@ -5,6 +5,11 @@ Writes, read by tests/test_lora.py:
     tests/fixtures/peft/llama-lora/       every projection of tests/fixtures/hf/llama
     tests/fixtures/peft/qwen3-moe-lora/   q_proj and the experts' stacked gate_up_proj / down_proj
                                           (target_parameters) of tests/fixtures/hf/qwen3_moe
+    tests/fixtures/peft/gpt-oss-lora/     the same on tests/fixtures/hf/gpt_oss, whose fused
+                                          gate_up_proj [experts, in, out] interleaves gate and up
+    tests/fixtures/peft/deepseek-v3-lora/ the latent attention's q_b_proj and o_proj and the routed
+                                          experts of tests/fixtures/hf/deepseek_v3 (whose first
+                                          layer is dense)
 
 each holding:
 
@@ -17,7 +22,8 @@ random tokens, so both factors are far from their initial values (lora_B starts 
 The base is tests/fixtures/hf/llama (written by tools/hf_decoder_fixtures.py); its name in
 adapter_config.json is that path relative to the repository.
 
-Run with the reference environment (torch CPU, transformers, peft), from anywhere:
+Run with the reference environment (torch CPU, transformers, peft), from anywhere, naming the
+adapters to record (all by default):
 
     .venv-ref/bin/python tools/peft_adapter_fixture.py
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import peft
@@ -71,17 +78,29 @@ def record(base: str, out: pathlib.Path, config: peft.LoraConfig) -> None:
           f"{np.abs(logits - base_logits).max():.3f}; {size / 1024:.0f} KiB in {out}")
 
 
-def main() -> None:
+ADAPTERS = {
+    "llama-lora": ("tests/fixtures/hf/llama", dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
+    "qwen3-moe-lora": ("tests/fixtures/hf/qwen3_moe", dict(
+        r=2, lora_alpha=6, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+    "gpt-oss-lora": ("tests/fixtures/hf/gpt_oss", dict(
+        r=2, lora_alpha=6, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+    "deepseek-v3-lora": ("tests/fixtures/hf/deepseek_v3", dict(
+        r=2, lora_alpha=6, target_modules=["q_b_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+}
+
+
+def main(names: list[str]) -> None:
+    """Record the named adapters (all of them when none is named)."""
     os.chdir(ROOT)  # so the adapters name their bases by the relative path
-    record("tests/fixtures/hf/llama", ROOT / "tests/fixtures/peft/llama-lora", peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    ))
-    record("tests/fixtures/hf/qwen3_moe", ROOT / "tests/fixtures/peft/qwen3-moe-lora", peft.LoraConfig(
-        r=2, lora_alpha=6, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=["q_proj"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-    ))
+    for name in names or ADAPTERS:
+        base, settings = ADAPTERS[name]
+        record(base, ROOT / "tests/fixtures/peft" / name,
+               peft.LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **settings))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

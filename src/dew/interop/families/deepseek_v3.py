@@ -56,6 +56,7 @@ WEIGHTS: tuple[Weight, ...] = tuple(w for w in llama.WEIGHTS if ".self_attn." no
     _shared("up_proj"),
     _shared("down_proj"),
 )
+EXPERT_PARAMETERS = llama.STACKED_EXPERTS  # adapters reach the routed experts through these
 IGNORED_SUFFIXES = llama.IGNORED_SUFFIXES
 
 # Settings older DeepSeek configs spell out, with the one value Dew (and transformers) implement.

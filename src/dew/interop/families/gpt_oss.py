@@ -48,6 +48,12 @@ WEIGHTS: tuple[Weight, ...] = tuple(w for w in llama.WEIGHTS if ".mlp." not in w
     _layer("mlp.experts.down_proj", "mlp/experts/down_proj"),
     _layer("mlp.experts.down_proj_bias", "mlp/experts/down_proj_bias"),
 )
+# adapters reach the experts through these: the fused gate_up_proj (gate and up columns interleaved,
+# as transformers holds it, so a factor's columns line up on both sides) and down_proj
+EXPERT_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "mlp.experts.gate_up_proj": ("gate_up_proj",),
+    "mlp.experts.down_proj": ("down_proj",),
+}
 IGNORED_SUFFIXES = llama.IGNORED_SUFFIXES
 
 
