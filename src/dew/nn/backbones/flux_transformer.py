@@ -22,7 +22,6 @@ diffusers' tensor names (``transformer_blocks_0/attn/to_q`` is ``transformer_blo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,12 +34,13 @@ from dew.checks import count
 from dew.nn.attention import check_attention_impl
 from dew.nn.backbones.decoder_parts import RMSNorm
 from dew.nn.backbones.dit import check_image
-from dew.nn.embeddings import check_conditions, dense
+from dew.nn.embeddings import check_conditions, dense, sinusoidal_features
 from dew.nn.vit import attend, layer_norm, modulate
 
 ROPE_THETA = 10000.0  # FluxPosEmbed's theta
-FREQUENCY_FEATURES = 256  # the sinusoid width of the timestep and guidance embeddings
-TIME_SCALE = 1000.0  # timesteps and guidance arrive divided by 1000 (as FluxPipeline passes them)
+FREQUENCY_FEATURES = 256  # the sinusoid width of the timestep and guidance embeddings (cos then sin, as
+#                          diffusers' Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0))
+TIME_SCALE = 1000.0  # timesteps (t / 1000 from FluxPipeline) and guidance are scaled by this before the sinusoid
 
 
 # ------------------------------------------------------------------ packing and positions
@@ -107,17 +107,6 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------ embeddings
 
 
-def sinusoidal_features(values: jax.Array, features: int = FREQUENCY_FEATURES, max_period: float = 10000.0) -> jax.Array:
-    """[B] -> [B, features]: cos then sin of ``values * max_period^(-i / half)``.
-
-    diffusers' ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``.
-    """
-    half = features // 2
-    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
-    args = values.astype(jnp.float32)[:, None] * freqs[None, :]
-    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
-
-
 class TwoLayerEmbedding(nn.Module):
     """x -> linear_1 -> SiLU -> linear_2: diffusers' TimestepEmbedding and the pooled text projection."""
 
@@ -147,10 +136,10 @@ class TimeTextEmbedding(nn.Module):
     def __call__(self, timesteps: jax.Array, pooled: jax.Array, guidance: jax.Array | None) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         temb = TwoLayerEmbedding(self.features, name="timestep_embedder", **kw)(
-            sinusoidal_features(TIME_SCALE * timesteps.astype(jnp.float32)))
+            sinusoidal_features(TIME_SCALE * timesteps.astype(jnp.float32), FREQUENCY_FEATURES))
         if self.guidance_embeds:
             temb = temb + TwoLayerEmbedding(self.features, name="guidance_embedder", **kw)(
-                sinusoidal_features(TIME_SCALE * guidance.astype(jnp.float32)))
+                sinusoidal_features(TIME_SCALE * guidance.astype(jnp.float32), FREQUENCY_FEATURES))
         return temb + TwoLayerEmbedding(self.features, name="text_embedder", **kw)(pooled)
 
 
@@ -173,7 +162,7 @@ class AdaModulation(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """``net_0/proj`` (D -> 4D) -> tanh-GELU -> ``net_2`` (4D -> D): diffusers' FeedForward."""
+    """``net_0_proj`` (D -> 4D) -> tanh-GELU -> ``net_2`` (4D -> D): diffusers' FeedForward (net.0.proj, net.2)."""
 
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -302,7 +291,8 @@ class FluxTransformer(nn.Module):
     FluxPipeline passes them (t / 1000), ``conditions`` holds "encoder_hidden_states" [B, L,
     joint_attention_dim] (T5), "pooled_projections" [B, pooled_projection_dim] (CLIP pooled) and,
     with ``guidance_embeds``, "guidance" [B] (the guidance scale). Returns [B, H, W, out_channels / 4]:
-    the flow velocity the pipeline's scheduler steps with.
+    the flow velocity the pipeline's scheduler steps with. Initialized in Dew (not loaded), every
+    adaLN projection and proj_out start at zero, so a fresh model is blocks of identities and outputs 0.
     """
 
     in_channels: int = 64
