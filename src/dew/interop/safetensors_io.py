@@ -101,11 +101,15 @@ class Checkpoint(Mapping):
         return len(self._files)
 
 
-def open_checkpoint(directory: str | Path) -> Checkpoint:
-    """The weights in ``directory``: model.safetensors, or the shards model.safetensors.index.json lists."""
+def open_checkpoint(directory: str | Path, *, single_file: str = SINGLE_FILE,
+                    index_file: str = INDEX_FILE) -> Checkpoint:
+    """The weights in ``directory``: model.safetensors, or the shards model.safetensors.index.json lists.
+
+    diffusers names the same two layouts diffusion_pytorch_model.safetensors(.index.json); pass those.
+    """
     directory = Path(directory)
-    index_path = directory / INDEX_FILE
-    single_path = directory / SINGLE_FILE
+    index_path = directory / index_file
+    single_path = directory / single_file
     if index_path.is_file():
         index = json.loads(index_path.read_text())
         weight_map = index.get("weight_map")
@@ -131,7 +135,7 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
         return Checkpoint({name: file for name in file})
     present = sorted(path.name for path in directory.iterdir())[:12] if directory.is_dir() else []
     raise FileNotFoundError(
-        f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE} (with its shards); "
+        f"no weights in {directory}: expected {single_file} or {index_file} (with its shards); "
         f"the directory holds {present}. Dew reads only safetensors weights: convert a "
         "pytorch_model.bin with transformers' save_pretrained(..., safe_serialization=True)"
     )
