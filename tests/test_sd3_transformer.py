@@ -59,10 +59,19 @@ def test_outputs_match_diffusers(loaded, name, prefix):
         np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
 
 
+def test_bfloat16_compute_stays_near_diffusers_float32():
+    ref = reference("sd35")
+    bundle = PretrainedSD3Transformer.load(FIXTURES / "sd35", dtype=jnp.bfloat16)
+    x, conditions = inputs(ref)
+    error = np.abs(np.asarray(bundle(x, ref["timesteps"][0], conditions)) - ref["outputs"][0]).max()
+    assert 1e-4 < error < 0.05  # bfloat16 rounding shows, and stays small against outputs of about 1
+
+
 def test_config_settings_are_read(loaded):
     sd3, sd35 = loaded["sd3"].model, loaded["sd35"].model
     assert (sd3.num_layers, sd3.num_attention_heads, sd3.qk_norm, sd3.dual_attention_layers) == (2, 4, None, ())
-    assert (sd35.num_layers, sd35.num_attention_heads, sd35.qk_norm, sd35.dual_attention_layers) == (3, 2, "rms_norm", (0,))
+    assert (sd35.num_layers, sd35.num_attention_heads, sd35.qk_norm) == (3, 2, "rms_norm")
+    assert sd35.dual_attention_layers == (0,)
     assert (sd35.sample_size, sd35.pos_embed_max_size, sd35.joint_attention_dim) == (8, 16, 32)
     params = loaded["sd35"].variables["params"]
     assert "attn2" in params["transformer_blocks_0"] and "attn2" not in params["transformer_blocks_1"]
@@ -95,7 +104,8 @@ MISTAKES = {
         "cropped_positions", lambda original, *args: _swap_halves(original(*args))),
     # the crop taken at the table's corner instead of its centre
     "position_crop_at_the_corner": _patched(
-        "cropped_positions", lambda original, f, size, base, grid: sd3_module._grid_positions(f, size, base, 0, 0, *grid)),
+        "cropped_positions",
+        lambda original, features, size, base, grid: sd3_module.grid_positions(features, size, base, 0, 0, *grid)),
     # positions spread as if trained at another latent size (sample_size sets their scale)
     "position_scale": lambda monkeypatch, model: model.clone(sample_size=2 * model.sample_size),
     # the same width split into twice the heads
@@ -115,11 +125,41 @@ def test_a_realistic_mistake_breaks_parity(loaded, monkeypatch, mistake):
     assert np.abs(outputs(model, bundle.variables, ref, "wide_") - ref["wide_outputs"]).max() > 100 * TOLERANCE
 
 
+# the structure settings of the released transformer/config.json files, and what diffusers 0.42.1
+# counts for a model built from each (parameters, and state_dict tensors with pos_embed.pos_embed)
+RELEASED = {
+    "sd3-medium": (dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=192), 2_028_328_000, 683),
+    "sd3.5-large": (dict(num_layers=38, num_attention_heads=38, pos_embed_max_size=192, qk_norm="rms_norm"),
+                    8_056_627_520, 1227),
+    "sd3.5-medium": (dict(num_layers=24, num_attention_heads=24, pos_embed_max_size=384, qk_norm="rms_norm",
+                          dual_attention_layers=tuple(range(13))), 2_243_171_520, 909),
+}
+
+
+def released_model(name):
+    settings, _, _ = RELEASED[name]
+    return SD3Transformer(sample_size=128, attention_head_dim=64, joint_attention_dim=4096,
+                          pooled_projection_dim=2048, **settings)
+
+
+@pytest.mark.parametrize("name", ["sd3-medium", "sd3.5-medium"])
+def test_released_structures_have_diffusers_parameter_counts(name):
+    from dew.interop.sd3_transformer import _example
+    from dew.interop.weight_map import expected_params
+
+    model = released_model(name)
+    _, parameters, tensors = RELEASED[name]
+    expected = expected_params(model, *_example(model))
+    assert sum(int(np.prod(spec.shape)) for spec in expected.values()) == parameters
+    assert len(expected) + 1 == tensors  # and the position table
+
+
 def test_position_table_is_the_one_diffusers_saves(loaded):
     for name in NAMES:
         model = loaded[name].model
         stored = SafetensorsFile(FIXTURES / name / WEIGHTS_FILE)["pos_embed.pos_embed"][0]
-        table = sd3_module.position_table(model.inner_dim, model.pos_embed_max_size, model.sample_size // model.patch_size)
+        base = model.sample_size // model.patch_size
+        table = sd3_module.position_table(model.inner_dim, model.pos_embed_max_size, base)
         np.testing.assert_allclose(table, stored, atol=1e-6, rtol=0)
         assert np.abs(_swap_halves(table) - stored).max() > 0.1  # the check tells rows from columns
 
@@ -128,7 +168,8 @@ def test_save_then_load_round_trips_bitwise(loaded, tmp_path):
     bundle = loaded["sd35"]
     bundle.save(tmp_path / "transformer")
     assert sorted(p.name for p in (tmp_path / "transformer").iterdir()) == ["config.json", WEIGHTS_FILE]
-    ours, theirs = SafetensorsFile(tmp_path / "transformer" / WEIGHTS_FILE), SafetensorsFile(FIXTURES / "sd35" / WEIGHTS_FILE)
+    ours = SafetensorsFile(tmp_path / "transformer" / WEIGHTS_FILE)
+    theirs = SafetensorsFile(FIXTURES / "sd35" / WEIGHTS_FILE)
     assert sorted(ours) == sorted(theirs)
     for name in theirs:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
@@ -139,6 +180,18 @@ def test_save_then_load_round_trips_bitwise(loaded, tmp_path):
     assert config["_class_name"] == "SD3Transformer2DModel" and config["dual_attention_layers"] == [0]
     with pytest.raises(FileExistsError, match="overwrite=True"):
         bundle.save(tmp_path / "transformer")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_weights_load(loaded, tmp_path, dtype):
+    """Released SD3 weights are float16 (the position table too); a bfloat16 save reads back as well."""
+    bundle = loaded["sd3"]
+    bundle.save(tmp_path / "half", dtype=dtype)
+    half = SafetensorsFile(tmp_path / "half" / WEIGHTS_FILE)
+    assert {half[name].dtype for name in half} == {np.dtype(dtype)}
+    again = PretrainedSD3Transformer.load(tmp_path / "half")
+    expected = jax.tree.map(lambda a: np.asarray(a).astype(dtype).astype(np.float32), bundle.variables)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), again.variables, expected))
 
 
 def test_sharded_weights_load_like_one_file(loaded, tmp_path):
@@ -246,3 +299,23 @@ def test_diffusers_reads_what_dew_saves(loaded, tmp_path):
         got = np.asarray(bundle(x, timesteps, conditions))
         assert np.abs(expected).max() > 0.1  # the moved weights give a non-trivial output
         np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_released_structures_have_diffusers_tensor_names_and_shapes(name):
+    """Full-size SD3 / SD3.5 structures, built without weights on torch's meta device."""
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    from dew.interop.sd3_transformer import POSITIONS, _example, diffusers_config, diffusers_name
+    from dew.interop.weight_map import _torch_shape, expected_params
+
+    model = released_model(name)
+    config = {key: value for key, value in diffusers_config(model).items() if not key.startswith("_")}
+    with torch.device("meta"):
+        theirs = diffusers.SD3Transformer2DModel(**config)
+    shapes = {name: list(tensor.shape) for name, tensor in theirs.state_dict().items()}
+    ours = {diffusers_name(path): _torch_shape(path, tuple(spec.shape))
+            for path, spec in expected_params(model, *_example(model)).items()}
+    ours[POSITIONS] = [1, model.pos_embed_max_size ** 2, model.inner_dim]
+    assert ours == shapes

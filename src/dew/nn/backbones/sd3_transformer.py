@@ -57,7 +57,7 @@ def _axis_features(indices: np.ndarray, features: int, max_size: int, base_size:
     return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
 
 
-def _grid_positions(features: int, max_size: int, base_size: int, top: int, left: int,
+def grid_positions(features: int, max_size: int, base_size: int, top: int, left: int,
                     height: int, width: int) -> np.ndarray:
     """Rows top.. and columns left.. of the table, row-major [height * width, features] float32."""
     if features % 4:
@@ -65,12 +65,12 @@ def _grid_positions(features: int, max_size: int, base_size: int, top: int, left
             f"SD3Transformer: the inner width {features} must be a multiple of 4 for the 2-D sin/cos "
             "table (two axes, sin and cos each); choose num_attention_heads * attention_head_dim to fit"
         )
-    rows = _axis_features(np.arange(top, top + height), features, max_size, base_size)
-    cols = _axis_features(np.arange(left, left + width), features, max_size, base_size)
+    rows = _axis_features(np.arange(top, top + height), features, max_size, base_size).astype(np.float32)
+    cols = _axis_features(np.arange(left, left + width), features, max_size, base_size).astype(np.float32)
     half = features // 2
     table = np.concatenate([np.broadcast_to(cols[None, :, :], (height, width, half)),
                             np.broadcast_to(rows[:, None, :], (height, width, half))], axis=-1)
-    return table.reshape(height * width, features).astype(np.float32)
+    return table.reshape(height * width, features)
 
 
 def position_table(features: int, max_size: int, base_size: int) -> np.ndarray:
@@ -78,7 +78,7 @@ def position_table(features: int, max_size: int, base_size: int) -> np.ndarray:
 
     The first half of the features encodes the column, the second half the row.
     """
-    return _grid_positions(features, max_size, base_size, 0, 0, max_size, max_size)
+    return grid_positions(features, max_size, base_size, 0, 0, max_size, max_size)
 
 
 def cropped_positions(features: int, max_size: int, base_size: int, grid: tuple[int, int]) -> np.ndarray:
@@ -90,7 +90,7 @@ def cropped_positions(features: int, max_size: int, base_size: int, grid: tuple[
             f"covers at most {max_size} x {max_size}; use a latent of at most {max_size} patches a side"
         )
     top, left = (max_size - height) // 2, (max_size - width) // 2
-    return _grid_positions(features, max_size, base_size, top, left, height, width)
+    return grid_positions(features, max_size, base_size, top, left, height, width)
 
 
 class TwoLayerEmbedding(nn.Module):
@@ -303,8 +303,8 @@ class SD3Transformer(nn.Module):
         values = []
         for key, shape in shapes.items():
             if conditions.get(key) is None:
-                raise ValueError(f"{name} needs condition {key!r} ({accepted[key]}); the SD3 pipeline passes "
-                                 "zeros-prompt embeddings for the unconditional branch, so pass those")
+                raise ValueError(f"{name} needs condition {key!r} ({accepted[key]}); for the unconditional "
+                                 "branch pass the empty prompt's embeddings, as the SD3 pipeline does")
             value = jnp.asarray(conditions[key])
             if value.ndim != len(shape) or any(want not in (None, got) for want, got in zip(shape, value.shape)):
                 want = ", ".join("tokens" if d is None else str(d) for d in shape)
