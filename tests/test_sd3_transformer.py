@@ -276,6 +276,8 @@ def test_bad_input_is_refused_with_the_fix(loaded, tmp_path):
         bundle(jnp.zeros((2, 9, 8, 16)), t, conditions)
     with pytest.raises(FileNotFoundError, match="transformer/ folder"):
         PretrainedSD3Transformer.load(tmp_path)
+    with pytest.raises(ValueError, match=r"SD3Transformer.num_layers must be a positive integer; got 2.0"):
+        bundle.model.clone(num_layers=2.0).check_settings()
 
 
 @pytest.mark.reference

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.checks import count
 from dew.nn.attention import check_attention_impl
 from dew.nn.backbones.decoder_parts import RMSNorm
 from dew.nn.backbones.dit import check_image
@@ -279,6 +280,10 @@ class SD3Transformer(nn.Module):
 
     def check_settings(self) -> None:
         """Raise for settings this structure cannot be built with, naming the setting."""
+        for size in ("sample_size", "patch_size", "in_channels", "num_layers", "attention_head_dim",
+                     "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "out_channels",
+                     "pos_embed_max_size"):
+            count(getattr(self, size), f"SD3Transformer.{size}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"SD3Transformer: qk_norm={self.qk_norm!r} is not implemented; Dew builds "
                              f"qk_norm in {list(QK_NORMS)} (SD3: None, SD3.5: 'rms_norm')")
