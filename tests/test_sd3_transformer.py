@@ -19,7 +19,7 @@ from flax import traverse_util
 
 import dew.nn.backbones.sd3_transformer as sd3_module
 from dew.interop.safetensors_io import SafetensorsFile, save_file
-from dew.interop.sd3_transformer import INDEX_FILE, WEIGHTS_FILE, PretrainedSD3Transformer
+from dew.interop.sd3_transformer import INDEX_FILE, WEIGHTS_FILE, PretrainedSD3Transformer, example_inputs
 from dew.nn.backbones.sd3_transformer import SD3Transformer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sd3_transformer"
@@ -144,12 +144,11 @@ def released_model(name):
 
 @pytest.mark.parametrize("name", ["sd3-medium", "sd3.5-medium"])
 def test_released_structures_have_diffusers_parameter_counts(name):
-    from dew.interop.sd3_transformer import _example
     from dew.interop.weight_map import expected_params
 
     model = released_model(name)
     _, parameters, tensors = RELEASED[name]
-    expected = expected_params(model, *_example(model))
+    expected = expected_params(model, *example_inputs(model))
     assert sum(int(np.prod(spec.shape)) for spec in expected.values()) == parameters
     assert len(expected) + 1 == tensors  # and the position table
 
@@ -216,10 +215,7 @@ def random_variables(model, seed=0, scale=0.2):
     """Variables of the model's own structure drawn with NumPy (cheaper than compiling its init)."""
     from flax.core import meta
 
-    x = jnp.zeros((1, model.patch_size, model.patch_size, model.in_channels))
-    conditions = {"encoder_hidden_states": jnp.zeros((1, 1, model.joint_attention_dim)),
-                  "pooled_projections": jnp.zeros((1, model.pooled_projection_dim))}
-    abstract = meta.unbox(jax.eval_shape(model.init, jax.random.key(0), x, jnp.zeros((1,)), conditions))
+    abstract = meta.unbox(jax.eval_shape(model.init, jax.random.key(0), *example_inputs(model)))
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda leaf: jnp.asarray(scale * rng.standard_normal(leaf.shape), leaf.dtype), abstract)
 
@@ -309,7 +305,7 @@ def test_released_structures_have_diffusers_tensor_names_and_shapes(name):
     """Full-size SD3 / SD3.5 structures, built without weights on torch's meta device."""
     torch = pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
-    from dew.interop.sd3_transformer import POSITIONS, _example, diffusers_config, diffusers_name
+    from dew.interop.sd3_transformer import POSITIONS, diffusers_config, diffusers_name
     from dew.interop.weight_map import _torch_shape, expected_params
 
     model = released_model(name)
@@ -318,6 +314,6 @@ def test_released_structures_have_diffusers_tensor_names_and_shapes(name):
         theirs = diffusers.SD3Transformer2DModel(**config)
     shapes = {name: list(tensor.shape) for name, tensor in theirs.state_dict().items()}
     ours = {diffusers_name(path): _torch_shape(path, tuple(spec.shape))
-            for path, spec in expected_params(model, *_example(model)).items()}
+            for path, spec in expected_params(model, *example_inputs(model)).items()}
     ours[POSITIONS] = [1, model.pos_embed_max_size ** 2, model.inner_dim]
     assert ours == shapes

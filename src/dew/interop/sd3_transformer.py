@@ -95,7 +95,8 @@ def diffusers_name(path: tuple[str, ...]) -> str:
     return ".".join(names)
 
 
-def _example(model: SD3Transformer) -> tuple[Any, ...]:
+def example_inputs(model: SD3Transformer) -> tuple[Any, ...]:
+    """The smallest (x, timesteps, conditions) the model takes: what tracing its params needs."""
     side = model.patch_size
     conditions = {"encoder_hidden_states": jnp.zeros((1, 1, model.joint_attention_dim)),
                   "pooled_projections": jnp.zeros((1, model.pooled_projection_dim))}
@@ -173,7 +174,7 @@ class PretrainedSD3Transformer:
         model.check_settings()
         checkpoint = open_checkpoint(path, single_file=WEIGHTS_FILE, index_file=INDEX_FILE)
         _check_positions(checkpoint, model, str(path))
-        params = read_params(checkpoint, expected_params(model, *_example(model)), diffusers_name,
+        params = read_params(checkpoint, expected_params(model, *example_inputs(model)), diffusers_name,
                              where=str(path), param_dtype=param_dtype, ignored=lambda name: name == POSITIONS)
         return cls(model=model, variables={"params": params}, config=config)
 
@@ -194,7 +195,7 @@ class PretrainedSD3Transformer:
         ``directory`` is replaced only with ``overwrite=True``.
         """
         dest = Path(directory).expanduser()
-        expected = expected_params(self.model, *_example(self.model))
+        expected = expected_params(self.model, *example_inputs(self.model))
         tensors = torch_tensors(self.variables["params"], expected, diffusers_name, dtype=dtype)
         tensors[POSITIONS] = _positions(self.model).astype(jnp.dtype(dtype) if dtype is not None else np.float32)
         config = {**self.config, **diffusers_config(self.model)}
