@@ -101,11 +101,14 @@ class Checkpoint(Mapping):
         return len(self._files)
 
 
-def open_checkpoint(directory: str | Path) -> Checkpoint:
-    """The weights in ``directory``: model.safetensors, or the shards model.safetensors.index.json lists."""
+def open_checkpoint(directory: str | Path, *, stem: str = "model") -> Checkpoint:
+    """The weights in ``directory``: model.safetensors, or the shards model.safetensors.index.json lists.
+
+    ``stem`` names the files: diffusers' models use "diffusion_pytorch_model".
+    """
     directory = Path(directory)
-    index_path = directory / INDEX_FILE
-    single_path = directory / SINGLE_FILE
+    index_path = directory / f"{stem}.safetensors.index.json"
+    single_path = directory / f"{stem}.safetensors"
     if index_path.is_file():
         index = json.loads(index_path.read_text())
         weight_map = index.get("weight_map")
@@ -131,7 +134,7 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
         return Checkpoint({name: file for name in file})
     present = sorted(path.name for path in directory.iterdir())[:12] if directory.is_dir() else []
     raise FileNotFoundError(
-        f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE} (with its shards); "
+        f"no weights in {directory}: expected {single_path.name} or {index_path.name} (with its shards); "
         f"the directory holds {present}. Dew reads only safetensors weights: convert a "
         "pytorch_model.bin with transformers' save_pretrained(..., safe_serialization=True)"
     )
