@@ -50,6 +50,16 @@ def test_odd_latent_sides_upsample_to_the_skips_size(loaded):
     np.testing.assert_allclose(out, ref["odd_output"], atol=TOLERANCE, rtol=0)
 
 
+def test_bfloat16_compute_stays_near_the_float32_reference():
+    """dtype=bfloat16 computes in bf16 (SD 2.1's upcast attention in float32) from float32 weights."""
+    ref = reference("sd21")
+    unet = PretrainedUNet.load(FIXTURES / "sd21", dtype=jnp.bfloat16)
+    out = unet(ref["sample"].astype(jnp.bfloat16), ref["timesteps"], conditions(ref))
+    assert out.dtype == jnp.bfloat16 and unet.variables["params"]["conv_in"]["kernel"].dtype == jnp.float32
+    error = np.abs(np.asarray(out, np.float32) - ref["output"]).max()
+    assert 100 * TOLERANCE < error < 0.05  # bf16 rounding, not a float32 computation, and not a wrong one
+
+
 def test_config_settings_are_read(loaded):
     sd15, sd21, sdxl = (loaded[name].model for name in NAMES)
     assert (sd15.num_attention_heads, sd15.use_linear_projection, sd15.upcast_attention) == (2, False, False)
