@@ -15,8 +15,8 @@ import pytest
 from flax import traverse_util
 from flax.core import meta
 
-from dew.interop.flux_transformer import WEIGHTS_FILE, PretrainedFluxTransformer, diffusers_name, example_inputs, model_kwargs
-from dew.interop.safetensors_io import SafetensorsFile, save_file
+from dew.interop.flux_transformer import PretrainedFluxTransformer, diffusers_name, example_inputs, model_kwargs
+from dew.interop.safetensors_io import DIFFUSERS_FILE, SafetensorsFile, save_file
 from dew.interop.weight_map import expected_params
 from dew.nn.backbones import flux_transformer
 from dew.nn.backbones.flux_transformer import FluxTransformer
@@ -156,14 +156,14 @@ def _same_params(a, b):
 def test_save_then_load_round_trips_bitwise(loaded, tmp_path):
     transformer, ref = loaded["dev"], reference("dev")
     transformer.save(tmp_path / "transformer")
-    assert sorted(p.name for p in (tmp_path / "transformer").iterdir()) == ["config.json", WEIGHTS_FILE]
+    assert sorted(p.name for p in (tmp_path / "transformer").iterdir()) == ["config.json", DIFFUSERS_FILE]
     again = PretrainedFluxTransformer.load(tmp_path / "transformer")
     assert again.model == transformer.model
     _same_params(again.variables["params"], transformer.variables["params"])
     x, t = jnp.asarray(ref["latents"]), jnp.asarray(ref["timesteps"][1])
     np.testing.assert_array_equal(again(x, t, conditions_of(ref)), transformer(x, t, conditions_of(ref)))
     # the same tensor names and bytes as the diffusers file it was loaded from
-    ours, theirs = SafetensorsFile(tmp_path / "transformer" / WEIGHTS_FILE), SafetensorsFile(FIXTURES / "dev" / WEIGHTS_FILE)
+    ours, theirs = SafetensorsFile(tmp_path / "transformer" / DIFFUSERS_FILE), SafetensorsFile(FIXTURES / "dev" / DIFFUSERS_FILE)
     assert sorted(ours) == sorted(theirs)
     for name in theirs:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
@@ -173,7 +173,7 @@ def test_save_then_load_round_trips_bitwise(loaded, tmp_path):
 
 def test_sharded_weights_load_like_one_file(loaded, tmp_path):
     """FLUX.1-dev's transformer ships as shards listed by diffusion_pytorch_model.safetensors.index.json."""
-    single = SafetensorsFile(FIXTURES / "schnell" / WEIGHTS_FILE)
+    single = SafetensorsFile(FIXTURES / "schnell" / DIFFUSERS_FILE)
     names = sorted(single)
     shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": names[: len(names) // 2],
               "diffusion_pytorch_model-00002-of-00002.safetensors": names[len(names) // 2:]}

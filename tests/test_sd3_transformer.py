@@ -18,8 +18,8 @@ import pytest
 from flax import traverse_util
 
 import dew.nn.backbones.sd3_transformer as sd3_module
-from dew.interop.safetensors_io import SafetensorsFile, save_file
-from dew.interop.sd3_transformer import INDEX_FILE, WEIGHTS_FILE, PretrainedSD3Transformer, example_inputs
+from dew.interop.safetensors_io import DIFFUSERS_FILE, DIFFUSERS_INDEX, SafetensorsFile, save_file
+from dew.interop.sd3_transformer import PretrainedSD3Transformer, example_inputs
 from dew.nn.backbones.sd3_transformer import SD3Transformer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sd3_transformer"
@@ -156,7 +156,7 @@ def test_released_structures_have_diffusers_parameter_counts(name):
 def test_position_table_is_the_one_diffusers_saves(loaded):
     for name in NAMES:
         model = loaded[name].model
-        stored = SafetensorsFile(FIXTURES / name / WEIGHTS_FILE)["pos_embed.pos_embed"][0]
+        stored = SafetensorsFile(FIXTURES / name / DIFFUSERS_FILE)["pos_embed.pos_embed"][0]
         base = model.sample_size // model.patch_size
         table = sd3_module.position_table(model.inner_dim, model.pos_embed_max_size, base)
         np.testing.assert_allclose(table, stored, atol=1e-6, rtol=0)
@@ -166,9 +166,9 @@ def test_position_table_is_the_one_diffusers_saves(loaded):
 def test_save_then_load_round_trips_bitwise(loaded, tmp_path):
     bundle = loaded["sd35"]
     bundle.save(tmp_path / "transformer")
-    assert sorted(p.name for p in (tmp_path / "transformer").iterdir()) == ["config.json", WEIGHTS_FILE]
-    ours = SafetensorsFile(tmp_path / "transformer" / WEIGHTS_FILE)
-    theirs = SafetensorsFile(FIXTURES / "sd35" / WEIGHTS_FILE)
+    assert sorted(p.name for p in (tmp_path / "transformer").iterdir()) == ["config.json", DIFFUSERS_FILE]
+    ours = SafetensorsFile(tmp_path / "transformer" / DIFFUSERS_FILE)
+    theirs = SafetensorsFile(FIXTURES / "sd35" / DIFFUSERS_FILE)
     assert sorted(ours) == sorted(theirs)
     for name in theirs:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
@@ -186,7 +186,7 @@ def test_half_precision_weights_load(loaded, tmp_path, dtype):
     """Released SD3 weights are float16 (the position table too); a bfloat16 save reads back as well."""
     bundle = loaded["sd3"]
     bundle.save(tmp_path / "half", dtype=dtype)
-    half = SafetensorsFile(tmp_path / "half" / WEIGHTS_FILE)
+    half = SafetensorsFile(tmp_path / "half" / DIFFUSERS_FILE)
     assert {half[name].dtype for name in half} == {np.dtype(dtype)}
     again = PretrainedSD3Transformer.load(tmp_path / "half")
     expected = jax.tree.map(lambda a: np.asarray(a).astype(dtype).astype(np.float32), bundle.variables)
@@ -194,7 +194,7 @@ def test_half_precision_weights_load(loaded, tmp_path, dtype):
 
 
 def test_sharded_weights_load_like_one_file(loaded, tmp_path):
-    bundle, source = loaded["sd3"], SafetensorsFile(FIXTURES / "sd3" / WEIGHTS_FILE)
+    bundle, source = loaded["sd3"], SafetensorsFile(FIXTURES / "sd3" / DIFFUSERS_FILE)
     directory = tmp_path / "sharded"
     directory.mkdir()
     shutil.copyfile(FIXTURES / "sd3" / "config.json", directory / "config.json")
@@ -204,7 +204,7 @@ def test_sharded_weights_load_like_one_file(loaded, tmp_path):
     for shard, held in shards.items():
         save_file({name: np.asarray(source[name]) for name in held}, directory / shard)
     weight_map = {name: shard for shard, held in shards.items() for name in held}
-    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / DIFFUSERS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     sharded = PretrainedSD3Transformer.load(directory)
     flat, expected = (traverse_util.flatten_dict(b.variables["params"]) for b in (sharded, bundle))
     assert flat.keys() == expected.keys()

@@ -22,12 +22,11 @@ import jax.numpy as jnp
 
 from dew.files import staged_directory
 from dew.hub import local_directory
-from dew.interop.safetensors_io import SafetensorsFile, save_file
+from dew.interop.safetensors_io import DIFFUSERS_FILE, SafetensorsFile, save_file
 from dew.interop.weight_map import expected_params, read_params, torch_tensors
 from dew.nn.vae import AutoencoderKL
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "AutoencoderKL"
 
 # config.json settings Dew's AutoencoderKL takes as they are, with diffusers' defaults for absent keys
@@ -143,12 +142,12 @@ class PretrainedAutoencoder:
         """Read a diffusers AutoencoderKL directory (or a Hub id's snapshot in the local cache)."""
         path = local_directory(directory, revision=revision, what="autoencoder")
         config_path = path / CONFIG_FILE
-        weights_path = path / WEIGHTS_FILE
+        weights_path = path / DIFFUSERS_FILE
         if not config_path.is_file() or not weights_path.is_file():
             present = sorted(p.name for p in path.iterdir())[:12] if path.is_dir() else []
             raise FileNotFoundError(
                 f"{path} is not a diffusers AutoencoderKL directory: it needs {CONFIG_FILE} and "
-                f"{WEIGHTS_FILE} and holds {present}. For a whole pipeline, point at its vae/ folder"
+                f"{DIFFUSERS_FILE} and holds {present}. For a whole pipeline, point at its vae/ folder"
             )
         config = json.loads(config_path.read_text())
         model = AutoencoderKL(**model_kwargs(config, str(config_path)), dtype=dtype, param_dtype=param_dtype)
@@ -180,7 +179,7 @@ class PretrainedAutoencoder:
         config = {**self.config, **diffusers_config(self.model)}
         with staged_directory(dest, overwrite=overwrite) as staging:
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
+            save_file(tensors, staging / DIFFUSERS_FILE, metadata={"format": "pt"})
         return dest
 
     # --- the Autoencoder protocol -----------------------------------------------------------------

@@ -23,13 +23,11 @@ import jax.numpy as jnp
 
 from dew.files import staged_directory
 from dew.hub import local_directory
-from dew.interop.safetensors_io import open_checkpoint, save_file
+from dew.interop.safetensors_io import DIFFUSERS_FILE, DIFFUSERS_INDEX, DIFFUSERS_STEM, open_checkpoint, save_file
 from dew.interop.weight_map import expected_params, read_params, torch_tensors
 from dew.nn.backbones.flux_transformer import FluxTransformer
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
-INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
 CLASS_NAME = "FluxTransformer2DModel"
 
 # config.json settings FluxTransformer takes by the same name, with diffusers' defaults for absent keys
@@ -121,13 +119,13 @@ class PretrainedFluxTransformer:
         if not config_path.is_file():
             present = sorted(p.name for p in path.iterdir())[:12] if path.is_dir() else []
             raise FileNotFoundError(
-                f"{path} is not a diffusers {CLASS_NAME} directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
-                f"(or {INDEX_FILE} with its shards) and holds {present}. For a whole pipeline, point at its "
+                f"{path} is not a diffusers {CLASS_NAME} directory: it needs {CONFIG_FILE} and {DIFFUSERS_FILE} "
+                f"(or {DIFFUSERS_INDEX} with its shards) and holds {present}. For a whole pipeline, point at its "
                 "transformer/ folder"
             )
         config = json.loads(config_path.read_text())
         model = FluxTransformer(**model_kwargs(config, str(config_path)), dtype=dtype, param_dtype=param_dtype)
-        checkpoint = open_checkpoint(path, single_file=WEIGHTS_FILE, index_file=INDEX_FILE)
+        checkpoint = open_checkpoint(path, stem=DIFFUSERS_STEM)
         params = read_params(checkpoint, expected_params(model, *example_inputs(model)), diffusers_name,
                              where=str(path), param_dtype=param_dtype)
         return cls(model=model, variables={"params": params}, config=config)
@@ -154,7 +152,7 @@ class PretrainedFluxTransformer:
         config = {**self.config, **diffusers_config(self.model)}
         with staged_directory(dest, overwrite=overwrite) as staging:
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
+            save_file(tensors, staging / DIFFUSERS_FILE, metadata={"format": "pt"})
         return dest
 
     def __call__(self, x: jax.Array, timesteps: jax.Array, conditions: Mapping[str, jax.Array]) -> jax.Array:

@@ -23,6 +23,10 @@ import numpy as np
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# diffusers names a model's weights by this stem: <stem>.safetensors or <stem>.safetensors.index.json
+DIFFUSERS_STEM = "diffusion_pytorch_model"
+DIFFUSERS_FILE = f"{DIFFUSERS_STEM}.safetensors"
+DIFFUSERS_INDEX = f"{DIFFUSERS_STEM}.safetensors.index.json"
 
 _DTYPES: dict[str, Any] = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -101,15 +105,14 @@ class Checkpoint(Mapping):
         return len(self._files)
 
 
-def open_checkpoint(directory: str | Path, *, single_file: str = SINGLE_FILE, index_file: str = INDEX_FILE) -> Checkpoint:
+def open_checkpoint(directory: str | Path, *, stem: str = "model") -> Checkpoint:
     """The weights in ``directory``: model.safetensors, or the shards model.safetensors.index.json lists.
 
-    ``single_file`` / ``index_file`` name another layout's files (diffusers models use
-    diffusion_pytorch_model.safetensors and diffusion_pytorch_model.safetensors.index.json).
+    ``stem`` names the files: diffusers' models use "diffusion_pytorch_model".
     """
     directory = Path(directory)
-    index_path = directory / index_file
-    single_path = directory / single_file
+    index_path = directory / f"{stem}.safetensors.index.json"
+    single_path = directory / f"{stem}.safetensors"
     if index_path.is_file():
         index = json.loads(index_path.read_text())
         weight_map = index.get("weight_map")
@@ -135,7 +138,7 @@ def open_checkpoint(directory: str | Path, *, single_file: str = SINGLE_FILE, in
         return Checkpoint({name: file for name in file})
     present = sorted(path.name for path in directory.iterdir())[:12] if directory.is_dir() else []
     raise FileNotFoundError(
-        f"no weights in {directory}: expected {single_file} or {index_file} (with its shards); "
+        f"no weights in {directory}: expected {single_path.name} or {index_path.name} (with its shards); "
         f"the directory holds {present}. Dew reads only safetensors weights: convert a "
         "pytorch_model.bin with transformers' save_pretrained(..., safe_serialization=True)"
     )

@@ -24,13 +24,11 @@ import numpy as np
 
 from dew.files import staged_directory
 from dew.hub import local_directory
-from dew.interop.safetensors_io import open_checkpoint, save_file
+from dew.interop.safetensors_io import DIFFUSERS_FILE, DIFFUSERS_INDEX, DIFFUSERS_STEM, open_checkpoint, save_file
 from dew.interop.weight_map import expected_params, read_params, torch_tensors
 from dew.nn.backbones.sd3_transformer import QK_NORMS, SD3Transformer, grid_positions, position_table
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
-INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
 CLASS_NAME = "SD3Transformer2DModel"
 POSITIONS = "pos_embed.pos_embed"  # the persistent buffer diffusers saves with the weights
 
@@ -162,17 +160,17 @@ class PretrainedSD3Transformer:
         """Read a diffusers SD3Transformer2DModel directory (or a Hub id's snapshot in the local cache)."""
         path = local_directory(directory, revision=revision, what="SD3 transformer")
         config_path = path / CONFIG_FILE
-        if not config_path.is_file() or not ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file()):
+        if not config_path.is_file() or not ((path / DIFFUSERS_FILE).is_file() or (path / DIFFUSERS_INDEX).is_file()):
             present = sorted(p.name for p in path.iterdir())[:12] if path.is_dir() else []
             raise FileNotFoundError(
-                f"{path} is not a diffusers {CLASS_NAME} directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
-                f"(or {INDEX_FILE} with its shards) and holds {present}. For a whole pipeline, point at "
+                f"{path} is not a diffusers {CLASS_NAME} directory: it needs {CONFIG_FILE} and {DIFFUSERS_FILE} "
+                f"(or {DIFFUSERS_INDEX} with its shards) and holds {present}. For a whole pipeline, point at "
                 "its transformer/ folder"
             )
         config = json.loads(config_path.read_text())
         model = SD3Transformer(**model_kwargs(config, str(config_path)), dtype=dtype, param_dtype=param_dtype)
         model.check_settings()
-        checkpoint = open_checkpoint(path, single_file=WEIGHTS_FILE, index_file=INDEX_FILE)
+        checkpoint = open_checkpoint(path, stem=DIFFUSERS_STEM)
         _check_positions(checkpoint, model, str(path))
         params = read_params(checkpoint, expected_params(model, *example_inputs(model)), diffusers_name,
                              where=str(path), param_dtype=param_dtype, ignored=lambda name: name == POSITIONS)
@@ -201,7 +199,7 @@ class PretrainedSD3Transformer:
         config = {**self.config, **diffusers_config(self.model)}
         with staged_directory(dest, overwrite=overwrite) as staging:
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
+            save_file(tensors, staging / DIFFUSERS_FILE, metadata={"format": "pt"})
         return dest
 
     def __call__(self, x: jax.Array, timesteps: jax.Array, conditions: Mapping[str, Any]) -> jax.Array:

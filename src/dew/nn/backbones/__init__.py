@@ -11,6 +11,7 @@ _EXPORTS = {
     "LayerKind": "dew.nn.backbones.layer_plan",
     "SimpleDiT": "dew.nn.backbones.dit",
     "UNet": "dew.nn.backbones.unet",
+    "UNet2DCondition": "dew.nn.backbones.unet_condition",
     "MMDiT": "dew.nn.backbones.mmdit",
     "VideoDiT": "dew.nn.backbones.video_dit",
 }
