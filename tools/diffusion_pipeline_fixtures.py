@@ -66,7 +66,8 @@ WEIGHT_STD = 0.1
 
 
 def clip_tokenizer(pad_token):
-    """A CLIP BPE tokenizer over CORPUS: byte-level symbols with </w>, special tokens last (as CLIP)."""
+    """A CLIP BPE tokenizer over CORPUS: byte-level symbols with </w>, special tokens last (as CLIP,
+    whose legacy eos_token_id 2 pools at the highest id: <|endoftext|>)."""
     trainer_tokenizer = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
     probe = transformers.CLIPTokenizer()
     trainer_tokenizer.normalizer = probe.backend_tokenizer.normalizer
@@ -76,7 +77,7 @@ def clip_tokenizer(pad_token):
     trainer_tokenizer.train_from_iterator(CORPUS, trainer)
     learned = json.loads(trainer_tokenizer.to_str())["model"]
     vocab = dict(learned["vocab"])
-    for token in (pad_token, "<|startoftext|>", "<|endoftext|>"):
+    for token in ("<|startoftext|>", "<|endoftext|>", pad_token):  # end of text the highest id, as in CLIP
         if token not in vocab:
             vocab[token] = len(vocab)
     merges = [tuple(pair) if isinstance(pair, list) else tuple(pair.split(" ")) for pair in learned["merges"]]
