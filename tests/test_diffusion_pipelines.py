@@ -212,3 +212,54 @@ def test_an_unsupported_scheduler_is_refused_naming_it(monkeypatch):
     monkeypatch.setitem(diffusion_pipelines.DENOISERS, "FluxTransformer2DModel", lambda folder, **kw: folder)
     with pytest.raises(NotImplementedError, match="FlowMatchEulerDiscreteScheduler; Dew has no rebuild"):
         DiffusionPipeline.load(FIXTURES / "flux")
+
+
+# --- dew.pipeline and Pretrained.load -------------------------------------------------------------
+
+
+def test_dew_pipeline_and_pretrained_load_route_a_pipeline_directory_to_its_loader():
+    import dew
+    from dew.interop import Pretrained
+
+    with pytest.raises(NotImplementedError, match="UNet2DConditionModel.*no loader"):
+        dew.pipeline(FIXTURES / "sdxl")
+    with pytest.raises(NotImplementedError, match="FluxTransformer2DModel.*no loader"):
+        Pretrained.load(FIXTURES / "flux")
+    with pytest.raises(ValueError, match="step=3 picks one of a saved run's checkpoints"):
+        dew.pipeline(FIXTURES / "sd15", step=3)
+
+
+def test_a_loaded_pipeline_serves_text_to_image_with_its_own_defaults(monkeypatch):
+    """With a denoiser and a scheduler registered, dew.pipeline assembles the TextToImage: the
+    family's prompt encoder as its condition, latents of the VAE's shape, SD3's 28 steps and 7.0 guidance."""
+    import types
+
+    import dew
+    from dew.inference.image import TextToImage
+    from dew.interop.autoencoders import PretrainedAutoencoder
+
+    denoiser = types.SimpleNamespace(model="transformer-module", variables={"params": {}})
+    scheduler = types.SimpleNamespace(process="flow-process", solver="euler")
+    monkeypatch.setitem(diffusion_pipelines.DENOISERS, "SD3Transformer2DModel", lambda folder, **kw: denoiser)
+    monkeypatch.setitem(diffusion_pipelines.SCHEDULERS, "FlowMatchEulerDiscreteScheduler", lambda config: scheduler)
+    task = dew.pipeline(FIXTURES / "sd3")
+    assert isinstance(task, TextToImage) and isinstance(task.autoencoder, PretrainedAutoencoder)
+    assert (task.model, task.process, task.solver) == ("transformer-module", "flow-process", "euler")
+    assert isinstance(task.conditions["prompt"], SD3Prompts)
+    assert task.sample_shape == (8, 8, 16) and task.steps == 28 and task.guidance.scale == 7.0
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("folder", ["sd15/tokenizer", "sdxl/tokenizer_2"])
+def test_clip_tokenizer_files_match_transformers_on_varied_text(folder):
+    """Unicode, digits, contractions, runs of whitespace and literal special tokens tokenize as
+    transformers' CLIPTokenizer reads the same vocab.json + merges.txt."""
+    import transformers
+
+    texts = ["It's a DOG's  life\tand I'll see 1234!", "Ünïcödé café — naïve résumé", "<|endoftext|>a!b!!c",
+             "   leading and trailing   ", "emoji 🌸 and ümlauts", "x" * 40, "the digit 7, drawn in ink"]
+    theirs = transformers.CLIPTokenizer.from_pretrained(FIXTURES / folder)
+    expected = theirs(texts, padding="max_length", max_length=16, truncation=True).input_ids
+    with pytest.warns(UserWarning, match="cut to fit"):
+        ours, _ = caption_tokens(FIXTURES / folder, 16)(texts)
+    np.testing.assert_array_equal(ours, np.asarray(expected))

@@ -35,6 +35,7 @@ from dew.interop.pipeline_prompts import FluxPrompts, SD3Prompts, SDXLPrompts, S
 from dew.interop.text_encoders import PretrainedTextEncoder
 
 MODEL_INDEX = "model_index.json"
+DEFAULT = object()  # text_to_image's guidance= left out: the pipeline's own
 CONFIG_FILE = "config.json"
 SCHEDULER_CONFIG = "scheduler_config.json"
 TEXT_ENCODERS = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
@@ -48,24 +49,28 @@ class Family:
 
     encoders: tuple[tuple[str, str], ...]
     denoiser: str
+    guidance: float | None  # the pipeline's default classifier-free guidance scale (None: off)
+    steps: int  # its default number of inference steps
     t5_length: int | None = None
     optional: tuple[str, ...] = ()  # encoder folders a checkpoint may leave out ([null, null])
 
 
 _SDXL = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
 PIPELINES: dict[str, Family] = {
-    "StableDiffusionPipeline": Family((("text_encoder", "tokenizer"),), "unet"),
-    "StableDiffusionXLPipeline": Family(_SDXL, "unet"),
-    "StableDiffusionXLImg2ImgPipeline": Family(_SDXL, "unet", optional=("text_encoder",)),
-    "StableDiffusion3Pipeline": Family(_SDXL + (("text_encoder_3", "tokenizer_3"),), "transformer", t5_length=256,
-                                       optional=("text_encoder_3",)),
-    "FluxPipeline": Family(_SDXL, "transformer", t5_length=512),
+    "StableDiffusionPipeline": Family((("text_encoder", "tokenizer"),), "unet", guidance=7.5, steps=50),
+    "StableDiffusionXLPipeline": Family(_SDXL, "unet", guidance=5.0, steps=50),
+    "StableDiffusionXLImg2ImgPipeline": Family(_SDXL, "unet", guidance=5.0, steps=50, optional=("text_encoder",)),
+    "StableDiffusion3Pipeline": Family(_SDXL + (("text_encoder_3", "tokenizer_3"),), "transformer", guidance=7.0,
+                                       steps=28, t5_length=256, optional=("text_encoder_3",)),
+    # Flux is guidance-distilled: its guidance scale is a condition of the transformer (FluxPrompts)
+    "FluxPipeline": Family(_SDXL, "transformer", guidance=None, steps=28, t5_length=512),
 }
 
 # diffusers class name -> loader(folder, *, dtype, param_dtype) returning a bundle with `model`,
 # `variables` and `config` (as `Pretrained<Name>.load` of the denoiser modules).
 DENOISERS: dict[str, Callable[..., Any]] = {}
-# diffusers class name -> loader(config: the scheduler_config.json dict) returning Dew's scheduler.
+# diffusers class name -> loader(config: the scheduler_config.json dict) returning Dew's scheduler:
+# an object with `process` (noise and the denoiser wrapper `TextToImage` samples through) and `solver`.
 SCHEDULERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
 
 
@@ -294,3 +299,19 @@ class DiffusionPipeline:
         return cls(index=index, prompts=load_prompts(index, dtype=dtype, param_dtype=param_dtype),
                    autoencoder=load_autoencoder(index, dtype=dtype, param_dtype=param_dtype),
                    denoiser=load_denoiser(index, dtype=dtype, param_dtype=param_dtype), scheduler=load_scheduler(index))
+
+    def text_to_image(self, *, height: int | None = None, width: int | None = None, steps: int | None = None,
+                      guidance: Any = DEFAULT) -> Any:
+        """The `TextToImage` task this pipeline serves: images ``height`` x ``width`` pixels (default
+        the pipeline's own size), ``steps`` and ``guidance`` defaulting to the pipeline's."""
+        from dew.inference.image import TextToImage
+
+        default_height, default_width = _size_defaults(self.index)
+        family = self.index.family
+        sample = (height or default_height, width or default_width, self.autoencoder.model.in_channels)
+        return TextToImage(
+            model=self.denoiser.model, variables=self.denoiser.variables, process=self.scheduler.process,
+            solver=self.scheduler.solver, sample_shape=tuple(self.autoencoder.latent_shape(sample)),
+            conditions={"prompt": self.prompts}, autoencoder=self.autoencoder,
+            guidance=family.guidance if guidance is DEFAULT else guidance, steps=steps or family.steps,
+        )
