@@ -3,6 +3,7 @@ diffusers parity, against the fixtures of tools/diffusion_pipeline_fixtures.py."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -198,6 +199,23 @@ def test_the_refiner_reads_the_second_encoder_alone_and_scores_aesthetics(tmp_pa
     np.testing.assert_allclose(np.asarray(out["encoder_hidden_states"]), ref["prompt_embeds"][rows, :, 32:], atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(out["text_embeds"]), ref["pooled_prompt_embeds"][rows], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(out["time_ids"]), [[16, 16, 0, 0, 6.0], [16, 16, 0, 0, 2.5], [16, 16, 0, 0, 6.0]])
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd3", "flux"])
+def test_the_vae_decodes_the_pipelines_latents_to_its_images(family):
+    """The second half of each pipeline: its output latents (unscaled by scaling_factor, shifted by
+    shift_factor for SD3 and Flux) through its vae/ give the images diffusers returned, to [0, 1]."""
+    ref = reference(family)
+    autoencoder = load_autoencoder(read_model_index(FIXTURES / family))
+    label = next(key for key in ref.files if key.endswith("/latents"))
+    latents = jnp.asarray(ref[label].transpose(0, 2, 3, 1))
+    images = np.clip(np.asarray(autoencoder.decode(latents)) / 2 + 0.5, 0.0, 1.0)
+    expected = ref[label.replace("/latents", "/images")]
+    np.testing.assert_allclose(images, expected, atol=1e-5, rtol=0)
+    if family == "sd3":  # negative control: the shift factor left out
+        unshifted = dataclasses.replace(autoencoder, model=autoencoder.model.clone(shift_factor=0.0))
+        wrong = np.clip(np.asarray(unshifted.decode(latents)) / 2 + 0.5, 0.0, 1.0)
+        assert np.abs(wrong - expected).max() > 100 * 1e-5
 
 
 # --- denoiser and scheduler registries ------------------------------------------------------------
