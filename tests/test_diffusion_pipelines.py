@@ -158,6 +158,8 @@ def test_unconditional_rows_mix_with_prompts_and_differ_from_an_explicit_empty_p
     states = np.asarray(mixed["encoder_hidden_states"])
     np.testing.assert_allclose(states[[0, 2]], ref["prompt_embeds"][[0, 2]], atol=TOLERANCE["sdxl"], rtol=0)
     assert not states[1].any() and not np.asarray(mixed["text_embeds"][1]).any()
+    with pytest.raises(TypeError, match="prompts"):
+        prompts["sdxl"].encode_texts([7])
 
 
 def test_negative_controls_the_parity_check_catches_realistic_mistakes(prompts):

@@ -127,7 +127,9 @@ def read_model_index(directory: str | Path, *, revision: str | None = None) -> M
     index_path = path / MODEL_INDEX
     if not index_path.is_file():
         present = sorted(p.name for p in path.iterdir())[:12]
-        raise FileNotFoundError(f"{path} holds no {MODEL_INDEX}, so it is not a diffusers pipeline directory; it holds {present}")
+        raise FileNotFoundError(
+            f"{path} holds no {MODEL_INDEX}, so it is not a diffusers pipeline directory; it holds {present}"
+        )
     raw = json.loads(index_path.read_text())
     pipeline_class = raw.get("_class_name")
     if pipeline_class not in PIPELINES:
@@ -170,7 +172,8 @@ def _clip_length(index: ModelIndex, tokenizer: str, encoder: PretrainedTextEncod
     settings_path = index.folder(tokenizer) / "tokenizer_config.json"
     settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
     length = settings.get("model_max_length")
-    return length if isinstance(length, int) and length <= encoder.model.max_position_embeddings else encoder.model.max_position_embeddings
+    context = encoder.model.max_position_embeddings
+    return length if isinstance(length, int) and length <= context else context
 
 
 def load_text_encoder(index: ModelIndex, name: str, tokenizer: str, *, t5_length: int | None,

@@ -43,7 +43,9 @@ def _texts(entries: Sequence[str | None]) -> tuple[list[str], jax.Array]:
     """Prompts with None read as "", and a [B] mask of the None (unconditional) rows."""
     entries = list(entries)
     if not entries or not all(entry is None or isinstance(entry, str) for entry in entries):
-        raise TypeError(f"encode_texts takes a non-empty sequence of prompts (str, or None for unconditional); got {entries!r}")
+        raise TypeError(
+            f"encode_texts takes a non-empty sequence of prompts (str, or None for unconditional); got {entries!r}"
+        )
     return ["" if entry is None else entry for entry in entries], jnp.asarray([entry is None for entry in entries])
 
 
