@@ -23,8 +23,6 @@ class CaptionTokens:
     """Strings -> ``(ids, mask)``, both int32 [len(texts), max_length]; mask 1 = token, 0 = padding."""
 
     def __init__(self, tokenizer: HFTokenizer | str | Path, max_length: int, *, truncate: bool = True):
-        from tokenizers import Tokenizer
-
         self.tokenizer = tokenizer if isinstance(tokenizer, HFTokenizer) else HFTokenizer(tokenizer)
         self.max_length = count(max_length, "max_length")
         self.truncate = truncate
@@ -33,7 +31,7 @@ class CaptionTokens:
                 f"{self.tokenizer!r} names no pad or end-of-text token, so captions cannot be padded to "
                 f"max_length={max_length}; set pad_token in its tokenizer_config.json"
             )
-        self._rust = Tokenizer.from_file(str(self.tokenizer.directory / "tokenizer.json"))
+        self._rust = self.tokenizer.backend
         self._rust.no_padding()
         self._rust.enable_truncation(self.max_length)
         self._rust.enable_padding(length=self.max_length, pad_id=self.tokenizer.pad_id,

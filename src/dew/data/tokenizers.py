@@ -124,9 +124,13 @@ class HFTokenizer:
     config names no pad token, `pad_id` falls back to `eos_id`.
     """
 
-    def __init__(self, name_or_dir: str | Path, *, revision: str | None = None):
+    def __init__(self, name_or_dir: str | Path, *, revision: str | None = None, backend: Any = None,
+                 config: dict[str, Any] | None = None):
+        """``backend`` (a `tokenizers.Tokenizer`) and ``config`` stand in for the directory's
+        tokenizer.json and tokenizer_config.json when it holds other files (CLIP's vocab.json +
+        merges.txt, see `dew.data.clip_bpe`)."""
         directory = local_directory(name_or_dir, revision=revision, allow_patterns=TOKENIZER_FILES, what="tokenizer")
-        if not (directory / "tokenizer.json").is_file():
+        if backend is None and not (directory / "tokenizer.json").is_file():
             present = sorted(path.name for path in directory.iterdir())[:10]
             raise FileNotFoundError(
                 f"HFTokenizer needs {directory / 'tokenizer.json'} (a fast tokenizer file); the "
@@ -136,10 +140,10 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _RustTokenizer
 
         self.directory = directory.resolve()
-        self._tokenizer = _RustTokenizer.from_file(str(directory / "tokenizer.json"))
+        self._tokenizer = backend if backend is not None else _RustTokenizer.from_file(str(directory / "tokenizer.json"))
         config_path = directory / "tokenizer_config.json"
-        self.config: dict[str, Any] = {}
-        if config_path.is_file():
+        self.config: dict[str, Any] = dict(config or {})
+        if config is None and config_path.is_file():
             self.config = json.loads(config_path.read_text())
 
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
@@ -197,6 +201,13 @@ class HFTokenizer:
         word_end = getattr(self._tokenizer.model, "end_of_word_suffix", None)
         return text.replace(word_end, " ").strip() if word_end else text
 
+    @property
+    def backend(self) -> Any:
+        """A copy of the `tokenizers.Tokenizer`, to set padding or truncation on without touching this one."""
+        from tokenizers import Tokenizer as _RustTokenizer
+
+        return _RustTokenizer.from_str(self._tokenizer.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
@@ -212,6 +223,8 @@ class HFTokenizer:
             source = self.directory / name
             if source.is_file() and source.resolve() != (directory / name).resolve():
                 shutil.copyfile(source, directory / name)
+        if not (self.directory / "tokenizer.json").is_file():  # built from other files: write what they make
+            self._tokenizer.save(str(directory / "tokenizer.json"))
         if not (self.directory / "tokenizer_config.json").is_file():
             config = {"tokenizer_class": "PreTrainedTokenizerFast"}
             for field in ("eos_token", "bos_token", "pad_token"):

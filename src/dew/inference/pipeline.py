@@ -20,6 +20,7 @@ from dew.hub import is_repo_id, local_directory
 from dew.inference import image
 
 CONFIG_FILE = "config.json"
+MODEL_INDEX = "model_index.json"  # a diffusers pipeline directory
 
 
 def pipeline(
@@ -36,7 +37,8 @@ def pipeline(
     """The task `source` serves: TextGeneration, MaskedGeneration or TextToImage.
 
     Args:
-      source: a run directory, a Hugging Face checkpoint directory, or a Hub repository id.
+      source: a run directory, a Hugging Face checkpoint directory, a diffusers pipeline directory
+        (model_index.json), or a Hub repository id.
       mesh, layout: a MeshSpec and Layout to place the weights on (default: MeshSpec(), data
         parallelism over every device, with the weights replicated).
       dtype: the compute dtype. param_dtype: the storage dtype of the weights; None keeps a run's
@@ -51,12 +53,14 @@ def pipeline(
             if revision is not None:
                 raise ValueError(f"revision={revision!r} pins a Hub repository; {path} is a saved run (pass step= instead).")
             return _from_run(path, step=step, ema=ema, mesh=mesh, layout=layout, dtype=dtype, param_dtype=param_dtype)
+        if (path / MODEL_INDEX).is_file():
+            return _from_diffusers(path, step=step, mesh=mesh, dtype=dtype, param_dtype=param_dtype)
         if (path / CONFIG_FILE).is_file():
             return _from_published(path, step=step, mesh=mesh, layout=layout, dtype=dtype, param_dtype=param_dtype)
         present = sorted(p.name for p in path.iterdir())[:12]
         raise FileNotFoundError(
             f"{path} is a directory, but neither a saved run (no {RUN_FILE}) nor a Hugging Face "
-            f"checkpoint directory (no {CONFIG_FILE}); it holds {present}."
+            f"checkpoint directory (no {CONFIG_FILE}, nor a diffusers pipeline's {MODEL_INDEX}); it holds {present}."
         )
     if not is_repo_id(str(source)):
         raise FileNotFoundError(
@@ -64,6 +68,8 @@ def pipeline(
             "not a Hub repository id of the form owner/name."
         )
     directory = local_directory(str(source), revision=revision)
+    if (directory / MODEL_INDEX).is_file():
+        return _from_diffusers(directory, step=step, mesh=mesh, dtype=dtype, param_dtype=param_dtype)
     return _from_published(directory, step=step, mesh=mesh, layout=layout, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -246,3 +252,24 @@ def _from_published(directory: Path, *, step, mesh, layout, dtype, param_dtype):
     model = bundle.model
     place, rows = _placement(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)), mesh, layout)
     return dataclasses.replace(task, variables=place(bundle.variables), row_sharding=rows)
+
+
+# --- diffusers pipelines --------------------------------------------------------------------------
+
+
+def _from_diffusers(directory: Path, *, step, mesh, dtype, param_dtype):
+    """The TextToImage a diffusers pipeline directory serves (`dew.interop.diffusion_pipelines`)."""
+    import jax.numpy as jnp
+
+    from dew.interop.diffusion_pipelines import DiffusionPipeline
+
+    if step is not None:
+        raise ValueError(f"step={step!r} picks one of a saved run's checkpoints; {directory} is a diffusers pipeline.")
+    if mesh is not None:
+        raise NotImplementedError(
+            f"{directory} is a diffusers pipeline; placing its weights on a mesh is not supported yet (leave mesh= unset)."
+        )
+    if param_dtype == "auto":
+        raise ValueError("param_dtype='auto' keeps a checkpoint's stored dtypes; for a diffusers pipeline pass a dtype.")
+    options = {name: jnp.dtype(value) for name, value in (("dtype", dtype), ("param_dtype", param_dtype)) if value is not None}
+    return DiffusionPipeline.load(directory, **options).text_to_image()

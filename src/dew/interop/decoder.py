@@ -314,8 +314,9 @@ class Pretrained:
     """A model and its weights in a Hugging Face checkpoint's terms.
 
     ``Pretrained.load(directory)`` reads any checkpoint Dew supports, dispatching on config.json's
-    ``model_type`` (today: decoders, see `PretrainedDecoder`); ``bundle.save(directory)`` writes it
-    back in the same layout.
+    ``model_type`` (today: decoders, see `PretrainedDecoder`), or on a diffusers pipeline's
+    model_index.json (`dew.interop.diffusion_pipelines.DiffusionPipeline`); ``bundle.save(directory)``
+    writes a decoder back in the same layout.
     """
 
     @classmethod
@@ -323,6 +324,10 @@ class Pretrained:
         """The bundle for the checkpoint in ``directory`` (or a Hub repository id, read from the
         Hugging Face cache at ``revision``); ``options`` go to the family's loader."""
         path = _checkpoint_dir(directory, revision)
+        if (path / "model_index.json").is_file():  # a diffusers pipeline directory
+            from dew.interop.diffusion_pipelines import DiffusionPipeline
+
+            return DiffusionPipeline.load(path, **options)
         config = read_config(path)
         families.decoder_family(config, str(path / CONFIG_FILE))  # raises when unsupported
         return dataclasses.replace(PretrainedDecoder.load(path, **options), source=_source_name(directory))
