@@ -223,7 +223,8 @@ def test_the_vae_decodes_the_pipelines_latents_to_its_images(family):
 # --- denoiser and scheduler registries ------------------------------------------------------------
 
 
-def test_an_unsupported_denoiser_is_refused_before_weights_are_read():
+def test_an_unsupported_denoiser_is_refused_before_weights_are_read(monkeypatch):
+    monkeypatch.delitem(diffusion_pipelines.DENOISERS, "UNet2DConditionModel")
     with pytest.raises(NotImplementedError, match="UNet2DConditionModel.*no loader"):
         DiffusionPipeline.load(FIXTURES / "sd15")
 
@@ -237,9 +238,12 @@ def test_an_unsupported_scheduler_is_refused_naming_it(monkeypatch):
 # --- dew.pipeline and Pretrained.load -------------------------------------------------------------
 
 
-def test_dew_pipeline_and_pretrained_load_route_a_pipeline_directory_to_its_loader():
+def test_dew_pipeline_and_pretrained_load_route_a_pipeline_directory_to_its_loader(monkeypatch):
     import dew
     from dew.interop import Pretrained
+
+    for name in ("UNet2DConditionModel", "FluxTransformer2DModel"):  # refused by the pipeline loader
+        monkeypatch.delitem(diffusion_pipelines.DENOISERS, name)
 
     with pytest.raises(NotImplementedError, match="UNet2DConditionModel.*no loader"):
         dew.pipeline(FIXTURES / "sdxl")

@@ -31,6 +31,7 @@ from dew.data.tokenizers import HFTokenizer
 from dew.hub import local_directory
 from dew.interop.autoencoders import CLASS_NAME as AUTOENCODER_CLASS
 from dew.interop.autoencoders import PretrainedAutoencoder
+from dew.interop import flux_transformer, sd3_transformer, unet_condition
 from dew.interop.pipeline_prompts import FluxPrompts, SD3Prompts, SDXLPrompts, StableDiffusionPrompts
 from dew.interop.text_encoders import PretrainedTextEncoder
 
@@ -68,7 +69,11 @@ PIPELINES: dict[str, Family] = {
 
 # diffusers class name -> loader(folder, *, dtype, param_dtype) returning a bundle with `model`,
 # `variables` and `config` (as `Pretrained<Name>.load` of the denoiser modules).
-DENOISERS: dict[str, Callable[..., Any]] = {}
+DENOISERS: dict[str, Callable[..., Any]] = {
+    unet_condition.CLASS_NAME: unet_condition.PretrainedUNet.load,
+    sd3_transformer.CLASS_NAME: sd3_transformer.PretrainedSD3Transformer.load,
+    flux_transformer.CLASS_NAME: flux_transformer.PretrainedFluxTransformer.load,
+}
 # diffusers class name -> loader(config: the scheduler_config.json dict) returning Dew's scheduler:
 # an object with `process` (noise and the denoiser wrapper `TextToImage` samples through) and `solver`.
 SCHEDULERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
