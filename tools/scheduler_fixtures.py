@@ -64,7 +64,9 @@ def swapped(cls_name, released, **changes):
     """``cls.from_config(pipe.scheduler.config, **changes)``'s config, as a plain dict."""
     source = getattr(diffusers, released["_class_name"]).from_config(released)
     scheduler = getattr(diffusers, cls_name).from_config(source.config, **changes)
-    return json.loads(json.dumps({"_class_name": cls_name, **dict(scheduler.config)}))
+    config = json.loads(json.dumps({"_class_name": cls_name, **dict(scheduler.config)}))
+    config["_use_default_values"] = sorted(config.get("_use_default_values", []))  # a set: fix the order
+    return config
 
 
 def variants():
@@ -122,7 +124,8 @@ def calculate_shift(tokens, config):
                  config["max_shift"])
 
 
-def run(name, config, sigmas_kind, image_tokens):
+def trajectory(config, sigmas_kind, image_tokens, steps=STEPS):
+    """Drive the scheduler from ``config`` as its pipeline does; returns the arrays the npz holds."""
     cls = getattr(diffusers, config["_class_name"])
     scheduler = cls.from_config(config)
     prediction = ("flow_prediction" if config["_class_name"] == "FlowMatchEulerDiscreteScheduler"
@@ -130,11 +133,11 @@ def run(name, config, sigmas_kind, image_tokens):
     kwargs = {}
     if image_tokens is not None:
         kwargs["mu"] = calculate_shift(image_tokens, dict(scheduler.config))
-    sigmas = pipeline_sigmas(sigmas_kind, STEPS)
+    sigmas = pipeline_sigmas(sigmas_kind, steps)
     if sigmas is not None:
         scheduler.set_timesteps(sigmas=sigmas, **kwargs)
     else:
-        scheduler.set_timesteps(STEPS, **kwargs)
+        scheduler.set_timesteps(steps, **kwargs)
     generator = torch.Generator().manual_seed(0)
     latents = torch.randn(SHAPE, generator=generator, dtype=torch.float32)
     sample = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow pipelines: none
@@ -158,8 +161,14 @@ def run(name, config, sigmas_kind, image_tokens):
               "image_tokens": np.array(-1 if image_tokens is None else image_tokens)}
     if ancestral:
         arrays["noises"] = np.stack(noises)
+    return arrays
+
+
+def run(name, config, sigmas_kind, image_tokens):
+    arrays = trajectory(config, sigmas_kind, image_tokens)
     np.savez_compressed(OUT / f"{name}.npz", **arrays)
-    print(f"{name:36s} {len(timesteps):3d} calls  t0={timesteps[0]:9.3f}  |final|={float(sample.abs().mean()):.4f}")
+    t, final = arrays["timesteps"], arrays["final"]
+    print(f"{name:36s} {len(t):3d} calls  t0={t[0]:9.3f}  |final|={float(np.abs(final).mean()):.4f}")
 
 
 def main():

@@ -22,7 +22,8 @@ exact for a huge s).
 
 Every setting is checked: a value Dew does not reproduce raises, naming the key, the value and
 what is supported. Keys outside the class's signature have no effect in diffusers either and are
-dropped; `to_config()` gives back the class's full settings for diffusers' ``from_config``.
+dropped, as are keys listed under ``_use_default_values`` (diffusers gives those the class's own
+defaults); `to_config()` gives back the class's full settings for diffusers' ``from_config``.
 """
 
 from __future__ import annotations
@@ -115,7 +116,10 @@ def _resolve(config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
                          f"{', '.join(sorted(DEFAULTS))}. Replace the scheduler (Other.from_config(config)) "
                          "with one of these before loading.")
     settings = dict(DEFAULTS[name])
-    settings.update({key: value for key, value in config.items() if key in settings})
+    # keys a saved config lists under _use_default_values took the saving class's defaults, so
+    # diffusers gives them this class's defaults instead (what a swapped scheduler inherits)
+    defaulted = set(config.get("_use_default_values", ()))
+    settings.update({key: value for key, value in config.items() if key in settings and key not in defaulted})
     for key, allowed in _CHOICES[name].items():
         if settings[key] not in allowed:
             why = f" ({_WHY[key]})" if key in _WHY else ""
@@ -275,6 +279,9 @@ class SourceScheduler:
         train = s["num_train_timesteps"]
         if steps > train:
             raise ValueError(f"{self.class_name} has {train} training timesteps; {steps} steps do not exist")
+        if self.class_name == "PNDMScheduler" and steps < 2:
+            raise ValueError("PNDMScheduler at 1 step takes a single DDIM step, not its Heun start; "
+                             "Dew reproduces it from 2 steps up (or use DDIMScheduler for 1 step)")
         timesteps = _spaced(s["timestep_spacing"], train, steps, s["steps_offset"], integer=True).astype(np.int64)
         stride = train // steps
         landing = timesteps - stride
@@ -479,6 +486,10 @@ class SourceProcess:
         """x_T for a ``steps``-step grid from the pipeline's unit Gaussian draw under ``key``."""
         latents = jax.random.normal(key, shape, jnp.float32)
         return self.scheduler.initial(latents, self.sigmas(steps)).astype(dtype)
+
+    def final(self, x, sigmas) -> jax.Array:
+        """The sample at the grid's last level in the scheduler's space (what its pipeline decodes)."""
+        return self.scheduler.final(x, sigmas)
 
     def denoiser(self, model, variables, conditions=None) -> SourceDenoiser:
         return SourceDenoiser(model, self.scheduler, variables, conditions)
