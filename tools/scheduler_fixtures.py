@@ -91,7 +91,20 @@ def variants():
         "sd21_euler_karras_v": (swapped("EulerDiscreteScheduler", SD21, use_karras_sigmas=True), None, None),
         "sdxl_euler": (SDXL, None, None),
         "sdxl_euler_ancestral": (swapped("EulerAncestralDiscreteScheduler", SDXL), None, None),
+        "sd21_euler_zero_snr_trailing": (swapped("EulerDiscreteScheduler", SD21, rescale_betas_zero_snr=True,
+                                                 timestep_spacing="trailing"), None, None),
+        "sd15_dpmpp_3m_exponential": (swapped("DPMSolverMultistepScheduler", SD15, solver_order=3,
+                                              use_exponential_sigmas=True), None, None),
+        "cosine_dpm_3_lambda_clipped": (swapped(
+            "DPMSolverMultistepScheduler", SD15, beta_schedule="squaredcos_cap_v2", algorithm_type="dpmsolver",
+            solver_order=3, final_sigmas_type="sigma_min", lambda_min_clipped=-5.1, prediction_type="sample"),
+            None, None),
+        "sd15_euler_beta_sigmas": (swapped("EulerDiscreteScheduler", SD15, use_beta_sigmas=True), None, None),
+        "trained_betas_euler_ancestral": ({"_class_name": "EulerAncestralDiscreteScheduler",
+                                           "trained_betas": np.linspace(2e-4, 0.03, 1000).round(7).tolist()},
+                                          None, None),
         "sd3_flow": (SD3, None, None),
+        "sd3_flow_karras": (swapped("FlowMatchEulerDiscreteScheduler", SD3, use_karras_sigmas=True), None, None),
         "flux_flow": (FLUX, "flux", FLUX_IMAGE_TOKENS),
     }
 
