@@ -29,6 +29,7 @@ from dew.objectives.text_condition import TextCondition
 from dew.sampling import CFG, Euler, Heun
 
 CLIP = pathlib.Path(__file__).parent / "fixtures" / "text_encoders" / "clip"
+VAE = pathlib.Path(__file__).parent / "fixtures" / "vae" / "sd"
 PROMPTS = ["a handwritten seven", "the digit 3", None]
 
 
@@ -152,6 +153,41 @@ def test_an_autoencoder_that_cannot_be_stored_is_refused():
         DiffusionRunConfig(model=ModelConfig.from_model(SimpleDiT(patch_size=2, emb_features=32, num_layers=1,
                                                                    num_heads=2)),
                            data=None, trainer=TrainerConfig(), preset=presets.Flow(), autoencoder=model)
+
+
+def test_an_autoencoder_directory_is_read_wherever_an_autoencoder_is_taken(tmp_path, monkeypatch):
+    from dew.inference import image
+    from dew.objectives.base import Field, InputSpec
+    from dew.objectives.diffusion import DiffusionObjective
+
+    loaded = PretrainedAutoencoder.load(VAE)  # 16x16 images -> 4x4x4 latents
+    backbone = SimpleDiT(patch_size=2, emb_features=32, num_layers=1, num_heads=2)
+    images = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
+    objective = DiffusionObjective(backbone, presets.Flow(), InputSpec(Field("image", (16, 16, 3))), autoencoder=str(VAE))
+    assert isinstance(objective.autoencoder, PretrainedAutoencoder) and objective.model_shape == (4, 4, 4)
+    np.testing.assert_array_equal(objective.to_model_space(images), loaded.encode(jnp.asarray(images) / 127.5 - 1))
+
+    config = DiffusionRunConfig(model=ModelConfig.from_model(backbone), data=None, trainer=TrainerConfig(),
+                                preset=presets.Flow(), autoencoder=VAE, sample_shape=(16, 16, 3))
+    assert isinstance(config.autoencoder, PretrainedAutoencoder)
+    assert config.build().model_shape == (4, 4, 4)
+
+    variables = {"params": jax.tree.map(lambda w: w + 0.1, objective.init(jax.random.key(0))["params"])}
+    by_directory = TextToImage(backbone, variables, objective.process, (4, 4, 4), autoencoder=str(VAE), steps=2)
+    by_object = TextToImage(backbone, variables, objective.process, (4, 4, 4), autoencoder=loaded, steps=2)
+    drawn = by_directory([None, None], seed=1).host()
+    assert drawn.images.shape == (2, 16, 16, 3) and drawn.latents.shape == (2, 4, 4, 4)
+    np.testing.assert_array_equal(drawn.images, by_object([None, None], seed=1).host().images)
+
+    # a directory of something else, and latents the backbone cannot take, are refused up front
+    with pytest.raises(FileNotFoundError, match="not a diffusers AutoencoderKL directory"):
+        DiffusionObjective(backbone, presets.Flow(), InputSpec(Field("image", (16, 16, 3))), autoencoder=str(CLIP))
+    with pytest.raises(ValueError, match=r"turns \(16, 16, 3\) images into \(4, 4, 4\) latents"):
+        DiffusionObjective(SimpleDiT(patch_size=8, emb_features=32, num_layers=1, num_heads=2), presets.Flow(),
+                           InputSpec(Field("image", (16, 16, 3))), autoencoder=str(VAE))
+    monkeypatch.setattr(image, "_autoencoder_reader", None)
+    with pytest.raises(RuntimeError, match=r"TextToImage\(autoencoder=\) got the directory .*PretrainedAutoencoder.load"):
+        TextToImage(backbone, variables, objective.process, (4, 4, 4), autoencoder=str(VAE))
 
 
 def test_a_run_of_another_kind_is_refused_before_reading_weights(tmp_path):

@@ -183,6 +183,29 @@ def test_buffers_and_the_image_tower_of_a_released_checkpoint_are_skipped(tmp_pa
         close(encoder.model.apply(encoder.variables, jnp.asarray(ref["input_ids"])).projected, ref["projected"])
 
 
+def test_a_clip_text_model_saved_without_the_text_model_prefix_loads(tmp_path):
+    """transformers 5 saves CLIPTextModel's weights as "embeddings...", "encoder...", "final_layer_norm..."
+    (older versions, and CLIPTextModelWithProjection, prefix them with "text_model.")."""
+    from dew.interop.safetensors_io import SafetensorsFile, save_file
+
+    target = tmp_path / "unprefixed"
+    shutil.copytree(FIXTURES / "clip", target)
+    tensors = {name.removeprefix("text_model."): value
+               for name, value in SafetensorsFile(FIXTURES / "clip" / "model.safetensors").items()}
+    assert "embeddings.token_embedding.weight" in tensors and "text_projection.weight" in tensors
+    save_file(tensors, target / "model.safetensors")
+    ref = reference("clip")
+    encoder = PretrainedTextEncoder.load(target)
+    out = encoder.model.apply(encoder.variables, jnp.asarray(ref["input_ids"]))
+    close(out.last, ref["last"])
+    close(out.projected, ref["projected"])
+    # negative control: a prefix on some tensors and not on others is still refused
+    tensors["text_model.final_layer_norm.weight"] = tensors.pop("final_layer_norm.weight")
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(ValueError, match="missing tensors"):
+        PretrainedTextEncoder.load(target)
+
+
 @pytest.mark.reference
 def test_transformers_reads_what_dew_saves(loaded, tmp_path):
     torch = pytest.importorskip("torch")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,29 @@ def reads_runs_with(reader: Any) -> None:
     """Install the function `TextToImage.from_run` delegates to: ``reader(directory, *, step, ema, **placement)``."""
     global _run_reader
     _run_reader = reader
+
+
+_autoencoder_reader: Any = None  # reads an autoencoder directory; installed by dew.inference.pipeline
+
+
+def reads_autoencoders_with(reader: Any) -> None:
+    """Install the function `as_autoencoder` reads a directory with: ``reader(path) -> autoencoder``."""
+    global _autoencoder_reader
+    _autoencoder_reader = reader
+
+
+def as_autoencoder(value: Any, where: str) -> Any:
+    """An autoencoder from ``value``: a directory (str or path) is read as diffusers' AutoencoderKL layout
+    (`PretrainedAutoencoder.load`, through the reader `dew.inference.pipeline` installs, since the
+    interop layer sits above the objectives and tasks); anything else is returned as it is."""
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    if _autoencoder_reader is None:
+        raise RuntimeError(
+            f"{where} got the directory {str(value)!r}, but no autoencoder reader is installed; import "
+            "dew.inference (which installs it), or pass PretrainedAutoencoder.load(directory)."
+        )
+    return _autoencoder_reader(value)
 
 
 def as_guidance(value: Any) -> Any:
@@ -60,7 +84,8 @@ class TextToImage:
     """An immutable sampling task over fixed weights.
 
     `task(prompts_or_labels, steps=, solver=, guidance=, seed= | key=)` draws one sample per entry;
-    `steps`, `solver` and `guidance` default to the task's own. `guidance` is a `CFG` or a plain
+    `steps`, `solver` and `guidance` default to the task's own. `autoencoder` (latent models) may
+    be given as a diffusers AutoencoderKL directory, read with `PretrainedAutoencoder.load`. `guidance` is a `CFG` or a plain
     scale (``3.0`` means ``CFG(3.0)``); None turns classifier-free guidance off.
     Integer entries are class labels for a model conditioned on "label" (None draws
     unconditionally); with no text encoder, strings only set how many samples to draw, and a model
@@ -80,6 +105,7 @@ class TextToImage:
     def __post_init__(self):
         object.__setattr__(self, "guidance", as_guidance(self.guidance))
         object.__setattr__(self, "steps", count(self.steps, "TextToImage.steps"))
+        object.__setattr__(self, "autoencoder", as_autoencoder(self.autoencoder, "TextToImage(autoencoder=)"))
 
     @classmethod
     def from_run(cls, directory: Any, *, step: int | None = None, ema: bool = True, **placement: Any) -> TextToImage:

@@ -156,6 +156,16 @@ def text_to_image_from_run(directory: str | os.PathLike, *, step: int | None = N
 image.reads_runs_with(text_to_image_from_run)
 
 
+def read_autoencoder(directory: str | os.PathLike) -> Any:
+    """A diffusers AutoencoderKL directory as a `PretrainedAutoencoder` (what `autoencoder="dir"` means)."""
+    from dew.interop.autoencoders import PretrainedAutoencoder
+
+    return PretrainedAutoencoder.load(directory)
+
+
+image.reads_autoencoders_with(read_autoencoder)
+
+
 def _adapted_base(path: Path, model: Any) -> Any:
     """The frozen base weights of an adapted run, loaded from the checkpoint its run.json names."""
     from dew.interop import PretrainedDecoder

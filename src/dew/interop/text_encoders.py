@@ -216,8 +216,9 @@ class PretrainedTextEncoder:
             model = CLIPTextEncoder(**clip_kwargs(config, "text_projection.weight" in checkpoint),
                                     dtype=dtype, param_dtype=param_dtype)
             name, ignored = clip_name, _clip_ignored
-            if not any(n.startswith("text_model.") for n in checkpoint):  # transformers 5 saves CLIPTextModel unprefixed
-                checkpoint = {("" if n.startswith("text_projection.") else "text_model.") + n: checkpoint[n] for n in checkpoint}
+            if "embeddings.token_embedding.weight" in checkpoint:  # transformers 5 saves CLIPTextModel unprefixed
+                checkpoint = {n if n.startswith("text_projection") else f"text_model.{n}": checkpoint[n]
+                              for n in checkpoint}
         elif model_type == "t5":
             model = T5Encoder(**t5_kwargs(config), dtype=dtype, param_dtype=param_dtype)
             name, ignored = t5_name, _t5_ignored

@@ -9,11 +9,16 @@
 - `ConditionVector`: the pooled conditioning vector of DiT / UNet / VideoDiT: noise embedding
   plus label embedding plus a projection of a pooled ``"embedding"``.
 - `check_conditions`: the condition dict a model was built for, with a clear error otherwise.
+- `text_tokens` / `masked_mean`: the "text" [B, T, D] token condition of the text-conditioned
+  backbones (MMDiT, and SimpleDiT / UNet built with ``text_features``) with the tokens it may read;
+  `PooledTextEmbedding` turns it into a vector for the pooled conditioning.
 
 The condition convention (every backbone): ``conditions`` is a dict or None. ``"label"`` is int
 [B]; an id < 0 or == num_classes is the null class, and a missing key makes every row null.
 ``"embedding"`` is float [B, D]; a missing key is the same as a zero row, so the rows that
-condition dropout zeroes and a missing key give the same output.
+condition dropout zeroes and a missing key give the same output. ``"text"`` is float [B, T, D]
+token states; a token whose embedding is all zeros is padding, ``"text_mask"`` (bool [B, T])
+marks further padding, and a missing key is one padding token (no text at all).
 """
 
 from __future__ import annotations
@@ -311,6 +316,61 @@ class ConditionVector(nn.Module):
                     f"(condition_features={self.condition_features}); got {tuple(jnp.shape(emb))}"
                 )
         return labels, emb
+
+
+def text_condition_keys(text_features: int) -> dict[str, str]:
+    """The condition keys of a backbone that reads text tokens, with descriptions."""
+    return {
+        "text": f"float [batch, tokens, {text_features}] token embeddings, zeros for none",
+        "text_mask": "bool [batch, tokens], False for padding tokens",
+    }
+
+
+def text_tokens(conditions: Mapping[str, Any], batch: int, text_features: int, dtype: Any,
+                model: str) -> tuple[jax.Array, jax.Array]:
+    """(text [B, T, text_features], valid [B, T]) from the conditions; a missing "text" is one padding
+    token. A token is valid when its embedding is not all zeros and "text_mask" (if given) is True."""
+    if conditions.get("text") is None:
+        text = jnp.zeros((batch, 1, text_features), dtype)
+    else:
+        text = jnp.asarray(conditions["text"])
+    if len(text.shape) != 3 or text.shape[0] != batch or text.shape[2] != text_features:
+        raise ValueError(
+            f"{model}: condition 'text' must be [{batch}, tokens, {text_features}] "
+            f"(text_features={text_features}); got {tuple(text.shape)}"
+        )
+    valid = jnp.any(text != 0, axis=-1)
+    mask = conditions.get("text_mask")
+    if mask is not None:
+        if tuple(jnp.shape(mask)) != tuple(text.shape[:2]):
+            raise ValueError(
+                f"{model}: 'text_mask' must be [{batch}, {text.shape[1]}] like 'text'; "
+                f"got {tuple(jnp.shape(mask))}"
+            )
+        valid = valid & jnp.asarray(mask, bool)
+    return text, valid
+
+
+def masked_mean(tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """The mean over axis 1 of tokens [B, T, D] where valid [B, T]; zeros for a row with none."""
+    weights = valid.astype(tokens.dtype)[..., None]
+    return jnp.sum(tokens * weights, axis=1) / jnp.maximum(jnp.sum(weights, axis=1), 1)
+
+
+class PooledTextEmbedding(nn.Module):
+    """text [B, T, D] and valid [B, T] -> [B, features]: the mean of the valid tokens -> Dense ->
+    SiLU -> Dense. The last Dense starts at zero, so adding it to a conditioning vector starts as
+    a no-op (a fresh text-conditioned DiT or UNet begins like the unconditioned one)."""
+
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, text: jax.Array, valid: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h = dense(self.features, (None, "embed"), "dense_0", **kw)(masked_mean(text.astype(self.dtype), valid))
+        return dense(self.features, ("embed", "mlp"), "dense_1", zero=True, **kw)(nn.silu(h))
 
 
 def check_channels(module: nn.Module, channels: int, path: Sequence[str], axis: int, model: str) -> None:

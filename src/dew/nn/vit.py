@@ -2,6 +2,8 @@
 
 - `QKV` projects tokens to per-head queries, keys and values; `SelfAttention` is QKV -> bidirectional
   attention (`dew.nn.attention.dot_product_attention`) -> output projection.
+- `CrossAttention`: queries from the tokens, keys and values from a context (text tokens), the
+  context's padding masked out; its output projection starts at zero, so it starts as a no-op.
 - `MlpBlock`: Dense -> tanh-GELU -> Dense, width ``mlp_ratio * features``.
 - `AdaLNZeroBlock`: DiT's block (Peebles & Xie 2023, section 3.2). A conditioning vector c gives
   six [B, D] vectors through ``modulation`` (SiLU -> Dense, zero-initialized):
@@ -9,7 +11,9 @@
       x = x + gate_attn * attn(LN(x) * (1 + scale_attn) + shift_attn)
       x = x + gate_mlp  * mlp(LN(x) * (1 + scale_mlp) + shift_mlp)
 
-  With the modulation at zero every gate is 0, so a fresh block is the identity.
+  With the modulation at zero every gate is 0, so a fresh block is the identity. Given text
+  tokens, the block also cross-attends to them between the two (PixArt-alpha, Chen et al. 2023):
+  ``x = x + cross_attn(LN(x), text)``, unmodulated.
 - `TransformerBlock`: the plain pre-norm ViT block (learned LayerNorms, no conditioning).
 - `FinalLayer`: DiT's output head, adaLN (shift, scale) then a zero-initialized linear map.
 
@@ -109,6 +113,36 @@ class SelfAttention(nn.Module):
         return dense(x.shape[-1], ("heads", "embed"), "out", zero=self.zero_out, **kw)(out)
 
 
+class CrossAttention(nn.Module):
+    """Multi-head attention of tokens x [B, L, D] over a context [B, T, E] (any width E).
+
+    ``valid`` [B, T] marks the context tokens a query may read; a row with none adds nothing (its
+    output is zero rather than an average of padding). The output projection is zero-initialized.
+    """
+
+    num_heads: int
+    attention_impl: str = "auto"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, context: jax.Array, valid: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        batch, length, features = x.shape
+        if features % self.num_heads:
+            raise ValueError(
+                f"width {features} is not divisible by num_heads={self.num_heads}; "
+                f"choose a width that is a multiple of the head count"
+            )
+        head_dim = features // self.num_heads
+        q = dense(features, ("embed", "heads"), "q", **kw)(x).reshape(batch, length, self.num_heads, head_dim)
+        kv = dense(2 * features, (None, "heads"), "kv", **kw)(context.astype(self.dtype))
+        kv = kv.reshape(batch, context.shape[1], 2, self.num_heads, head_dim)
+        out = attend(q, kv[:, :, 0], kv[:, :, 1], mask=valid[:, None, None, :], impl=self.attention_impl)
+        out = dense(features, ("heads", "embed"), "out", zero=True, **kw)(out)
+        return out * jnp.any(valid, axis=1).astype(out.dtype)[:, None, None]
+
+
 class MlpBlock(nn.Module):
     """Dense(mlp_ratio * D) -> GELU (tanh approximation, as DiT) -> Dense(D)."""
 
@@ -138,12 +172,18 @@ class AdaLNZeroBlock(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, c: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, c: jax.Array, mask: jax.Array | None = None,
+                 text: jax.Array | None = None, text_valid: jax.Array | None = None) -> jax.Array:
+        """``text`` [B, T, E] with ``text_valid`` [B, T] adds the cross-attention (``norm_cross``,
+        ``cross_attn``); without them the block has exactly DiT's parameters."""
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = Modulation(6, x.shape[-1], name="modulation", **kw)(c)
         h = modulate(layer_norm("norm1", **kw)(x), shift_a, scale_a)
         h = SelfAttention(self.num_heads, self.attention_impl, name="attn", **kw)(h, mask)
         x = x + gate_a[:, None, :] * h
+        if text is not None:
+            h = layer_norm("norm_cross", affine=True, **kw)(x)
+            x = x + CrossAttention(self.num_heads, self.attention_impl, name="cross_attn", **kw)(h, text, text_valid)
         h = modulate(layer_norm("norm2", **kw)(x), shift_m, scale_m)
         h = MlpBlock(self.mlp_ratio, name="mlp", **kw)(h)
         return x + gate_m[:, None, :] * h

@@ -24,7 +24,7 @@ import numpy as np
 
 from dew.diffusion.presets import as_process
 from dew.checks import count
-from dew.inference.image import TextToImage, as_guidance
+from dew.inference.image import TextToImage, as_autoencoder, as_guidance
 from dew.objectives import run_record
 from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 from dew.pixels import to_unit_range
@@ -49,6 +49,8 @@ class Autoencoder(Protocol):
 class DiffusionObjective(Objective):
     """Denoising loss for `model` under `process` (a Process or a preset such as `EDM()`).
 
+    `autoencoder` (latent diffusion) is an `Autoencoder`, or a diffusers AutoencoderKL directory (str or
+    path) read with `PretrainedAutoencoder.load`.
     `inputs` names the sample field first (uint8 images `(H, W, C)` or clips `(T, H, W, C)`), and
     its `conditions` name the conditioning fields (`"label"` int ids, or float embeddings). With
     `evaluation_steps`, each validation batch also draws samples (Heun, that many steps, with the
@@ -80,11 +82,11 @@ class DiffusionObjective(Objective):
         self.sample_field = inputs.fields[0]
         self.ema_decay = ema_decay
         self.unconditional_prob = unconditional_prob
-        self.autoencoder = autoencoder
+        self.autoencoder = as_autoencoder(autoencoder, "DiffusionObjective(autoencoder=)")
         self.preview_count = preview_count
         self.preview_steps = preview_steps
         self.evaluation_steps = evaluation_steps
-        if autoencoder is not None:
+        if self.autoencoder is not None:
             self._check_latents_fit_the_backbone()
 
     def _check_latents_fit_the_backbone(self) -> None:
@@ -323,7 +325,8 @@ class DiffusionRunConfig:
       trainer: a `TrainerConfig`. preset: a preset or Process (`EDM(regime="pixel")`).
       text: None (unconditional) or a `TextCondition`: its encoder is saved into the run.
       autoencoder: None (pixel space) or an `Autoencoder` that can `save(directory)`
-        (`PretrainedAutoencoder`, from `load(directory)` or `from_model(model, variables)`).
+        (`PretrainedAutoencoder`, from `load(directory)` or `from_model(model, variables)`), or a
+        diffusers AutoencoderKL directory (str or path), read with `PretrainedAutoencoder.load`.
       optim: an `OptimConfig` to record (None records the default).
       solver, steps, guidance: the task's sampling defaults (`guidance` a CFG, a scale or None).
     """
@@ -350,6 +353,7 @@ class DiffusionRunConfig:
             )
         if self.text is not None and not hasattr(self.text, "encode_texts"):
             raise TypeError(f"DiffusionRunConfig.text is None or a TextCondition; got {type(self.text).__name__}.")
+        object.__setattr__(self, "autoencoder", as_autoencoder(self.autoencoder, "DiffusionRunConfig.autoencoder"))
         if self.autoencoder is not None and not callable(getattr(self.autoencoder, "save", None)):
             raise TypeError(
                 f"DiffusionRunConfig.autoencoder is stored with the run, so it needs save(directory); "

@@ -6,10 +6,15 @@ Models with Transformers").
     num_layers x dit_block_i (adaLN-zero: modulated attention and MLP, gates from c)
     final_layer (adaLN shift/scale, zero-initialized linear to p*p*C) -> unpatchify -> [B, H, W, C]
 
-The modulations and the final linear start at zero, so a fresh model outputs exactly 0 (DiT's
-adaLN-Zero). Call convention (`dew.diffusion.process`): ``model.apply(variables, x, noise_input,
-conditions)``; conditions follow `dew.nn.embeddings` ("label", "embedding"; a missing key or a
-null row means unconditional).
+With ``text_features`` the model also reads text tokens "text" [B, T, text_features] (and
+"text_mask" [B, T]), as PixArt-alpha does: every block cross-attends to the valid tokens after its
+self-attention, and the mean of the valid tokens (`PooledTextEmbedding`) is added to c.
+
+The modulations, the final linear, the cross-attention's output and the pooled text's last layer
+start at zero, so a fresh model outputs exactly 0 (DiT's adaLN-Zero) and a text-conditioned one
+starts as the unconditioned one does. Call convention (`dew.diffusion.process`):
+``model.apply(variables, x, noise_input, conditions)``; conditions follow `dew.nn.embeddings`
+("label", "embedding", "text", "text_mask"; a missing key or a null row means unconditional).
 """
 
 from __future__ import annotations
@@ -21,15 +26,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.checks import count
 from dew.nn.attention import check_attention_impl
 from dew.nn.embeddings import (
     ConditionVector,
     PatchEmbedding,
+    PooledTextEmbedding,
     check_channels,
     check_conditions,
     check_patch_grid,
     pooled_condition_keys,
     sincos_positions,
+    text_condition_keys,
+    text_tokens,
     unpatchify,
 )
 from dew.nn.vit import AdaLNZeroBlock, FinalLayer
@@ -46,7 +55,8 @@ class SimpleDiT(nn.Module):
 
     ``learn_sigma`` doubles the output channels (DiT's learned variance), so the output is
     [B, H, W, 2C] instead of the input's shape. ``noise_scale`` multiplies noise_input before
-    its sinusoidal features (see `NoiseEmbedding`).
+    its sinusoidal features (see `NoiseEmbedding`). ``text_features`` (None: no text) is the width
+    of the "text" condition's tokens (see the module doc).
     """
 
     patch_size: int
@@ -61,6 +71,7 @@ class SimpleDiT(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     attention_impl: str = "auto"
+    text_features: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, noise_input: jax.Array,
@@ -69,6 +80,8 @@ class SimpleDiT(nn.Module):
         check_attention_impl(self.attention_impl)
         check_image(x, 4, name, "[batch, height, width, channels]")
         accepted = pooled_condition_keys(self.num_classes, self.condition_features)
+        if count(self.text_features, f"{name}.text_features", optional=True) is not None:
+            accepted.update(text_condition_keys(self.text_features))
         conditions = check_conditions(conditions, accepted, name)
         batch, height, width, channels = x.shape
         p = self.patch_size
@@ -80,6 +93,10 @@ class SimpleDiT(nn.Module):
             self.emb_features, self.num_classes, self.condition_features, self.noise_scale,
             model=name, name="conditioning", **kw,
         )(noise_input, conditions, batch)
+        text = valid = None
+        if self.text_features is not None:
+            text, valid = text_tokens(conditions, batch, self.text_features, self.dtype, name)
+            c = c + PooledTextEmbedding(self.emb_features, name="pooled_text_embed", **kw)(text, valid)
 
         tokens = PatchEmbedding(self.emb_features, (p, p), name="patch_embed", **kw)(x.astype(self.dtype))
         tokens = tokens.reshape(batch, grid[0] * grid[1], self.emb_features)
@@ -88,7 +105,7 @@ class SimpleDiT(nn.Module):
         for i in range(self.num_layers):
             tokens = AdaLNZeroBlock(
                 self.num_heads, self.mlp_ratio, self.attention_impl, name=f"dit_block_{i}", **kw
-            )(tokens, c)
+            )(tokens, c, None, text, valid)
 
         out_channels = 2 * channels if self.learn_sigma else channels
         out = FinalLayer(p * p * out_channels, name="final_layer", **kw)(tokens, c)

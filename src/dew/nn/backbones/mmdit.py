@@ -36,8 +36,11 @@ from dew.nn.embeddings import (
     check_conditions,
     check_patch_grid,
     dense,
+    masked_mean,
     pooled_condition_keys,
     sincos_positions,
+    text_condition_keys,
+    text_tokens,
     unpatchify,
 )
 from dew.nn.vit import QKV, FinalLayer, MlpBlock, Modulation, attend, layer_norm, modulate
@@ -105,40 +108,14 @@ class MMDiT(nn.Module):
     param_dtype: Any = jnp.float32
     attention_impl: str = "auto"
 
-    def _text(self, conditions, batch):
-        """(text [B, T, text_features], valid [B, T]); a missing key is one padding token."""
-        name = type(self).__name__
-        if conditions.get("text") is None:
-            text = jnp.zeros((batch, 1, self.text_features), self.dtype)
-        else:
-            text = jnp.asarray(conditions["text"])
-        if len(text.shape) != 3 or text.shape[0] != batch or text.shape[2] != self.text_features:
-            raise ValueError(
-                f"{name}: condition 'text' must be [{batch}, tokens, {self.text_features}] "
-                f"(text_features={self.text_features}); got {tuple(text.shape)}"
-            )
-        valid = jnp.any(text != 0, axis=-1)
-        mask = conditions.get("text_mask")
-        if mask is not None:
-            if tuple(jnp.shape(mask)) != tuple(text.shape[:2]):
-                raise ValueError(
-                    f"{name}: 'text_mask' must be [{batch}, {text.shape[1]}] like 'text'; "
-                    f"got {tuple(jnp.shape(mask))}"
-                )
-            valid = valid & jnp.asarray(mask, bool)
-        return text, valid
-
     @nn.compact
     def __call__(self, x: jax.Array, noise_input: jax.Array,
                  conditions: Mapping[str, Any] | None = None) -> jax.Array:
         name = type(self).__name__
         check_attention_impl(self.attention_impl)
         check_image(x, 4, name, "[batch, height, width, channels]")
-        accepted = {
-            "text": f"float [batch, tokens, {self.text_features}] token embeddings, zeros for none",
-            "text_mask": "bool [batch, tokens], False for padding tokens",
-            **pooled_condition_keys(self.num_classes, self.condition_features),
-        }
+        accepted = {**text_condition_keys(self.text_features),
+                    **pooled_condition_keys(self.num_classes, self.condition_features)}
         conditions = check_conditions(conditions, accepted, name)
         batch, height, width, channels = x.shape
         p = self.patch_size
@@ -146,11 +123,10 @@ class MMDiT(nn.Module):
         check_channels(self, channels, ("patch_embed", "proj", "kernel"), -2, name)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
-        text, valid = self._text(conditions, batch)
+        text, valid = text_tokens(conditions, batch, self.text_features, self.dtype, name)
         text = text.astype(self.dtype)
         ctx = dense(self.emb_features, (None, "embed"), "text_embed", **kw)(text)
-        weights = valid.astype(self.dtype)[..., None]
-        pooled = jnp.sum(text * weights, axis=1) / jnp.maximum(jnp.sum(weights, axis=1), 1)
+        pooled = masked_mean(text, valid)
         pooled = dense(self.emb_features, (None, "embed"), "pooled_text_embed_0", **kw)(pooled)
         pooled = dense(self.emb_features, ("embed", "mlp"), "pooled_text_embed_1", **kw)(nn.silu(pooled))
 

@@ -14,6 +14,12 @@ A ResBlock is GroupNorm -> SiLU -> conv, then GroupNorm(h) * (1 + scale) + shift
 from the conditioning vector c (noise + label + pooled embedding, width 4 * channels), SiLU,
 dropout and a zero-initialized conv, added to the (1x1-projected) input. A fresh UNet outputs
 exactly 0, and every ResBlock and attention starts as the identity.
+
+With ``text_features`` the UNet also reads text tokens "text" [B, T, text_features] (and
+"text_mask" [B, T]), as Stable Diffusion's UNet does: every attention block (those at the
+attention resolutions and the middle one) cross-attends to the valid tokens after its
+self-attention, and the mean of the valid tokens (`PooledTextEmbedding`) joins c. Both start at
+zero, so a fresh text-conditioned UNet starts as the unconditioned one does.
 """
 
 from __future__ import annotations
@@ -25,9 +31,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.checks import count
 from dew.nn.attention import check_attention_impl
-from dew.nn.embeddings import ConditionVector, check_channels, check_conditions, dense, pooled_condition_keys
-from dew.nn.vit import SelfAttention
+from dew.nn.embeddings import (
+    ConditionVector,
+    PooledTextEmbedding,
+    check_channels,
+    check_conditions,
+    dense,
+    pooled_condition_keys,
+    text_condition_keys,
+    text_tokens,
+)
+from dew.nn.vit import CrossAttention, SelfAttention, layer_norm
 
 
 def conv(features, name, *, kernel=3, stride=1, zero=False, dtype, param_dtype):
@@ -81,7 +97,8 @@ class ResBlock(nn.Module):
 
 
 class AttentionBlock(nn.Module):
-    """GroupNorm then multi-head self-attention over the H*W positions, added residually."""
+    """GroupNorm then multi-head self-attention over the H*W positions, added residually; given
+    ``text`` [B, T, E] and ``text_valid`` [B, T], then LayerNorm and cross-attention to the text."""
 
     num_heads: int
     num_groups: int = 8
@@ -90,11 +107,17 @@ class AttentionBlock(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, text: jax.Array | None = None,
+                 text_valid: jax.Array | None = None) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         batch, height, width, features = x.shape
         h = group_norm(self.num_groups, "norm", **kw)(x).reshape(batch, height * width, features)
         h = SelfAttention(self.num_heads, self.attention_impl, zero_out=True, name="attn", **kw)(h)
+        x = x + h.reshape(x.shape)
+        if text is None:
+            return x
+        h = layer_norm("norm_cross", affine=True, **kw)(x.reshape(batch, height * width, features))
+        h = CrossAttention(self.num_heads, self.attention_impl, name="cross_attn", **kw)(h, text, text_valid)
         return x + h.reshape(x.shape)
 
 
@@ -106,7 +129,8 @@ class UNet(nn.Module):
     channel_mults (1, 2, 2) the levels run at 32, 16 and 8; the middle block always attends.
     H and W must be multiples of 2^(len(channel_mults) - 1), and every level's width a multiple
     of ``num_groups`` and ``num_heads``. ``dropout`` applies when called with ``train=True``
-    (pass a "dropout" rng).
+    (pass a "dropout" rng). ``text_features`` (None: no text) is the width of the "text"
+    condition's tokens (see the module doc).
     """
 
     channels: int = 64
@@ -122,6 +146,7 @@ class UNet(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     attention_impl: str = "auto"
+    text_features: int | None = None
 
     def _check(self, x) -> None:
         name = type(self).__name__
@@ -150,6 +175,8 @@ class UNet(nn.Module):
         check_attention_impl(self.attention_impl)
         self._check(x)
         accepted = pooled_condition_keys(self.num_classes, self.condition_features)
+        if count(self.text_features, f"{name}.text_features", optional=True) is not None:
+            accepted.update(text_condition_keys(self.text_features))
         conditions = check_conditions(conditions, accepted, name)
         batch, _, _, in_channels = x.shape
         check_channels(self, in_channels, ("conv_in", "kernel"), -2, name)
@@ -162,6 +189,10 @@ class UNet(nn.Module):
             4 * self.channels, self.num_classes, self.condition_features, self.noise_scale,
             model=name, name="conditioning", **kw,
         )(noise_input, conditions, batch)
+        text = ()  # the attention blocks' text arguments: none, or (tokens, valid)
+        if self.text_features is not None:
+            text = text_tokens(conditions, batch, self.text_features, self.dtype, name)
+            c = c + PooledTextEmbedding(4 * self.channels, name="pooled_text_embed", **kw)(*text)
 
         h = conv(self.channels, "conv_in", **kw)(x.astype(self.dtype))
         skips = [h]
@@ -170,14 +201,14 @@ class UNet(nn.Module):
             for i in range(self.num_res_blocks):
                 h = ResBlock(self.channels * mult, name=f"down_{level}_res_{i}", **block)(h, c, train)
                 if h.shape[1] in attention:
-                    h = AttentionBlock(name=f"down_{level}_attn_{i}", **attn)(h)
+                    h = AttentionBlock(name=f"down_{level}_attn_{i}", **attn)(h, *text)
                 skips.append(h)
             if level != last:
                 h = conv(h.shape[-1], f"down_{level}_downsample", stride=2, **kw)(h)
                 skips.append(h)
 
         h = ResBlock(h.shape[-1], name="mid_res_0", **block)(h, c, train)
-        h = AttentionBlock(name="mid_attn", **attn)(h)
+        h = AttentionBlock(name="mid_attn", **attn)(h, *text)
         h = ResBlock(h.shape[-1], name="mid_res_1", **block)(h, c, train)
 
         for level in reversed(range(len(self.channel_mults))):
@@ -186,7 +217,7 @@ class UNet(nn.Module):
                 width = self.channels * self.channel_mults[level]
                 h = ResBlock(width, name=f"up_{level}_res_{i}", **block)(h, c, train)
                 if h.shape[1] in attention:
-                    h = AttentionBlock(name=f"up_{level}_attn_{i}", **attn)(h)
+                    h = AttentionBlock(name=f"up_{level}_attn_{i}", **attn)(h, *text)
             if level != 0:
                 b, hh, ww, f = h.shape
                 h = jax.image.resize(h, (b, 2 * hh, 2 * ww, f), method="nearest")
