@@ -16,6 +16,7 @@ def run(
     tensor: int = 1,
     expert: int = 1,
     dispatch: Literal["global", "exchange"] = "exchange",
+    capacity_factor: float | None = None,
     sequence: int = 1,
     stage: int = 1,
     microbatches: int | None = None,
@@ -38,6 +39,8 @@ def run(
         expert: Devices that split mixture layers' experts (and the batch); needs a mixture model.
         dispatch: How mixture layers reach their experts: "exchange" (all-to-alls over the expert
             axis) or "global" (every device runs every expert, gathering them).
+        capacity_factor: The exchange's send slots per expert shard as a multiple of an even share
+            (default: enough that nothing is dropped; see dew.nn.expert_parallel).
         sequence: Devices that split each sequence's positions.
         stage: GPipe stages the layer stack runs as (weights replicated over them).
         microbatches: Microbatches per batch for the stages (default: one per stage).
@@ -65,7 +68,7 @@ def run(
         raise ValueError(f"--preset {preset!r} is not a known shape; presets are {sorted(PRESETS)}")
     settings = dict(PRESETS[preset] if preset is not None else _config_settings(config))
     if settings.get("mixture") is not None:
-        settings["mixture"] = {**settings["mixture"], "dispatch": dispatch}
+        settings["mixture"] = {**settings["mixture"], "dispatch": dispatch, "capacity_factor": capacity_factor}
     model = decoder(settings, seq_len=seq_len, dtype=getattr(jnp, dtype), remat=remat)
     mesh = MeshSpec(fsdp=fsdp, tensor=tensor, expert=expert, sequence=sequence, stage=stage, microbatches=microbatches)
     result = plan(model, mesh, devices=devices, batch=devices if batch is None else batch, seq_len=seq_len,

@@ -88,8 +88,10 @@ def active() -> ExpertSplit | None:
 
 
 def note_mixture(num_experts: int) -> None:
-    """Record that a mixture layer of `num_experts` experts is being traced (see `exchanging`)."""
-    _ACTIVE.get()[1].append(num_experts)
+    """Record that a mixture layer of `num_experts` experts is being traced inside `exchanging`."""
+    split, mixtures = _ACTIVE.get()
+    if split is not None:
+        mixtures.append(num_experts)
 
 
 def check_experts(num_experts: int, split: ExpertSplit) -> None:
