@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import pytest
 
 from dew import MeshSpec
+from dew.cli import plan as plan_command
 from dew.cli.main import main
 from dew.telemetry.collectives import count_collectives
 from dew.training import Layout
+from dew.training import plan as planning
 from dew.training.plan import decoder, plan
 
 VOCAB, EMBED, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 256, 64, 2, 4, 2, 16, 128
@@ -124,3 +126,46 @@ def test_collectives_count_each_loop_iteration():
     assert found.unknown_trip_counts == 1
     with pytest.raises(ValueError, match="ENTRY"):
         count_collectives("%body (p: f32[]) -> f32[] {\n}\n")
+
+
+def test_plan_command_splits_a_mixtures_experts_over_the_expert_axis(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the command sets its device count
+    experts, expert_features = 8, 32
+    config = dict(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=EMBED, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=MLP,
+                  hidden_act="silu", tie_word_embeddings=True, max_position_embeddings=64, num_experts=experts,
+                  num_experts_per_tok=2, moe_intermediate_size=expert_features, norm_topk_prob=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    split = plan_command.run(config=str(tmp_path), devices=4, batch=4, seq_len=16, dtype="float32", min_shard=1,
+                             expert=2)
+    assert "(data=2 x expert=2)" in capsys.readouterr().out
+    expert_bytes = LAYERS * experts * 3 * EMBED * expert_features * 4  # float32 gate, up and down kernels
+    # every other weight is replicated (no fsdp or tensor axis); each device holds half of each expert
+    assert split.parameters == 4 * split.parameter_count - expert_bytes // 2
+    # each layer trades rows out and back in the forward pass, and again in the backward pass
+    assert split.collectives["all-to-all"].count >= 3 * LAYERS
+
+
+def test_plan_command_sets_the_mixtures_dispatch_and_capacity(monkeypatch):
+    planned = {}
+
+    class Planned:
+        def report(self):
+            return "planned"
+
+    def record(model, mesh, **settings):
+        planned.update(model=model, mesh=mesh)
+        return Planned()
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    monkeypatch.setattr(planning, "plan", record)
+    plan_command.run(preset="qwen3-30b-a3b", devices=16, fsdp=2, expert=8, capacity_factor=1.25)
+    assert planned["mesh"].expert == 8 and planned["mesh"].fsdp == 2
+    assert planned["model"].mixture["dispatch"] == "exchange" and planned["model"].mixture["capacity_factor"] == 1.25
+    plan_command.run(preset="qwen3-30b-a3b", devices=16, fsdp=16, dispatch="global")
+    assert planned["model"].mixture["dispatch"] == "global" and planned["model"].mixture["capacity_factor"] is None
+    # the preset is Qwen3-30B-A3B's shape: 30.53B parameters, every layer a mixture
+    ids = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    params = jax.eval_shape(planned["model"].init, jax.random.key(0), ids)["params"]
+    assert sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) == 30_532_122_624
+    assert planned["model"].mlp_plan == ("mixture",) * 48

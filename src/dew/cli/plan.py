@@ -14,6 +14,9 @@ def run(
     devices: int = 8,
     fsdp: int = 1,
     tensor: int = 1,
+    expert: int = 1,
+    dispatch: Literal["global", "exchange"] = "exchange",
+    capacity_factor: float | None = None,
     sequence: int = 1,
     stage: int = 1,
     microbatches: int | None = None,
@@ -33,6 +36,11 @@ def run(
         devices: How many devices the mesh spans; data parallelism takes what the other axes leave.
         fsdp: Devices that shard parameters, optimizer state and the batch.
         tensor: Devices that split heads, MLP and vocabulary.
+        expert: Devices that split mixture layers' experts (and the batch); needs a mixture model.
+        dispatch: How mixture layers reach their experts: "exchange" (all-to-alls over the expert
+            axis) or "global" (every device runs every expert, gathering them).
+        capacity_factor: The exchange's send slots per expert shard as a multiple of an even share
+            (default: enough that nothing is dropped; see dew.nn.expert_parallel).
         sequence: Devices that split each sequence's positions.
         stage: GPipe stages the layer stack runs as (weights replicated over them).
         microbatches: Microbatches per batch for the stages (default: one per stage).
@@ -58,10 +66,13 @@ def run(
                          f"(a config.json); got preset={preset!r}, config={config!r}")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"--preset {preset!r} is not a known shape; presets are {sorted(PRESETS)}")
-    settings = PRESETS[preset] if preset is not None else _config_settings(config)
+    settings = dict(PRESETS[preset] if preset is not None else _config_settings(config))
+    if settings.get("mixture") is not None:
+        settings["mixture"] = {**settings["mixture"], "dispatch": dispatch, "capacity_factor": capacity_factor}
     model = decoder(settings, seq_len=seq_len, dtype=getattr(jnp, dtype), remat=remat)
-    result = plan(model, MeshSpec(fsdp=fsdp, tensor=tensor, sequence=sequence, stage=stage, microbatches=microbatches), devices=devices,
-                  batch=devices if batch is None else batch, seq_len=seq_len, layout=Layout(min_shard=min_shard))
+    mesh = MeshSpec(fsdp=fsdp, tensor=tensor, expert=expert, sequence=sequence, stage=stage, microbatches=microbatches)
+    result = plan(model, mesh, devices=devices, batch=devices if batch is None else batch, seq_len=seq_len,
+                  layout=Layout(min_shard=min_shard))
     print(result.report())
     if json_out is not None:
         fields = dataclasses.asdict(result)

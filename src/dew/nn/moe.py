@@ -26,14 +26,25 @@ capacity is set. The grouped product is `jax.lax.ragged_dot` (``grouped="ragged_
 blocks and each block multiplied by its expert's kernel. XLA:CPU computes ``ragged_dot`` as a
 dense product masked to the groups, E times the work, so ``grouped="auto"`` takes blocks on the
 CPU and ``ragged_dot`` elsewhere; both compute the same layer. Dispatches are methods named
-``_dispatch_<name>`` taking the same arguments, so another one (an all-to-all over the ``expert``
-mesh axis) adds a method without touching the router or the experts' parameters.
+``_dispatch_<name>`` taking the same arguments.
+
+``dispatch="exchange"`` is expert parallelism (`dew.nn.expert_parallel`): in a training step on a
+mesh with an ``expert`` axis of ``s > 1`` devices, each device holds ``E / s`` experts and its own
+rows, sends each (row, expert) assignment to the device holding the expert with an all-to-all,
+runs its experts over what it received (the same grouped products) and sends the results back.
+Under ``global`` on such a mesh every device runs every expert over its rows, so the sharded
+experts' parameters are gathered to every device. The exchange moves rows instead, through
+buffers of a fixed capacity per (device, expert shard): by default as large as a device can ever
+send one shard, so it computes what ``global`` does; a ``capacity_factor`` shrinks them and drops
+(and counts, as the ``dropped`` router metric) the assignments past a full buffer. Outside such a
+step (one device, generation) ``exchange`` computes as ``global``.
 
 While applied with ``mutable=["router"]`` (as `LMObjective` does), each layer records its routing
 statistics in the ``router`` collection; `router_metrics` turns every layer's record into the
 load-balancing loss of transformers' Mixtral and Qwen-MoE models (Switch Transformer, Fedus et al.
 2021, eq. 4-6, pooled over layers), the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5) and the
-tokens each expert received. Applied without it (generation), nothing is recorded.
+tokens each expert received (and, under ``exchange``, the assignments dropped). Applied without it
+(generation), nothing is recorded.
 """
 
 from __future__ import annotations
@@ -49,12 +60,13 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from dew.checks import count
+from dew.nn import expert_parallel
 
 INIT_STD = 0.02
 ROUTER_COLLECTION = "router"
 SCORES = ("softmax", "sigmoid")
 GROUP_RATING_EXPERTS = 2  # a group is rated by the sum of its best two biased scores (DeepSeek-V3)
-DISPATCHES = ("global",)
+DISPATCHES = ("global", "exchange")
 GROUPED_PRODUCTS = ("auto", "ragged_dot", "blocks")
 MAX_BLOCK = 64  # rows per block of the blocked grouped product
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
@@ -92,7 +104,10 @@ class Mixture(nn.Module):
         with ``swiglu_alpha`` and ``swiglu_limit``).
       gate_up: the routed experts' parameters: "separate" gate_proj and up_proj kernels, or
         "interleaved", one gate_up_proj whose even columns are the gate and odd ones the up (GPT-OSS).
-      dispatch: how rows reach their experts ("global").
+      dispatch: how rows reach their experts: "global", or "exchange" (an all-to-all over the
+        ``expert`` mesh axis in a step that splits it; see the module docstring).
+      capacity_factor: with ``exchange``, the send buffers' slots per (device, expert shard) as a
+        multiple of an even share, ``rows * top_k / shards``; None: enough that nothing is dropped.
       grouped: the grouped matrix product of the global dispatch ("auto", "ragged_dot", "blocks");
         it never changes the result or the parameters.
     """
@@ -116,6 +131,7 @@ class Mixture(nn.Module):
     swiglu_limit: float = 7.0
     gate_up: str = "separate"
     dispatch: str = "global"
+    capacity_factor: float | None = None
     grouped: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -155,6 +171,16 @@ class Mixture(nn.Module):
         if self.dispatch not in DISPATCHES:
             raise ValueError(
                 f"Mixture.dispatch={self.dispatch!r} is not implemented; supported dispatches: {DISPATCHES}"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"Mixture.capacity_factor must be positive (or None: nothing dropped), got {self.capacity_factor!r}"
+            )
+        if self.capacity_factor is not None and self.dispatch != "exchange":
+            raise ValueError(
+                f"Mixture.capacity_factor={self.capacity_factor} sizes the buffers of dispatch='exchange', but "
+                f"dispatch={self.dispatch!r} drops nothing and has no capacity; set dispatch='exchange' or "
+                "leave it None"
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"Mixture.activation={self.activation!r} is not one of {ACTIVATIONS}")
@@ -229,13 +255,32 @@ class Mixture(nn.Module):
         order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, rows in order
         source = order // k  # the row each sorted assignment reads
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        out = self._grouped_product()(rows[source], flat[order], group_sizes, kernels)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(rows).at[source].add(out)
+
+    def _dispatch_exchange(self, rows, weights, experts, kernels):
+        """Assignments traded over the expert axis to the devices holding their experts, and back
+        (`dew.nn.expert_parallel`); the global dispatch when no step splits the experts."""
+        split = expert_parallel.active()
+        exchanged = None if split is None else expert_parallel.exchange(
+            rows, weights, experts, kernels, split=split, num_experts=self.num_experts,
+            capacity_factor=self.capacity_factor, product=self._grouped_product())
+        if exchanged is None:
+            out, dropped = self._dispatch_global(rows, weights, experts, kernels), jnp.zeros((), jnp.float32)
+        else:
+            out, dropped = exchanged
+        if not self.is_initializing() and self.is_mutable_collection(ROUTER_COLLECTION):
+            self.sow(ROUTER_COLLECTION, "dropped", dropped)
+        return out
+
+    def _grouped_product(self):
+        """``product(sorted_rows, row_experts, group_sizes, kernels)``: the experts as grouped products."""
         grouped = self.grouped
         if grouped == "auto":
             grouped = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
         product = ragged_experts if grouped == "ragged_dot" else blocked_experts
-        out = product(rows[source], flat[order], group_sizes, kernels, self._activation())
-        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-        return jnp.zeros_like(rows).at[source].add(out)
+        return functools.partial(product, activation=self._activation())
 
     def _activation(self):
         """The experts' ``activation(gate, up)``."""
@@ -247,6 +292,7 @@ class Mixture(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).astype(self.dtype)
+        expert_parallel.note_mixture(self.num_experts)
         _, weights, experts = self.route(rows)
         kernels = Experts(self.num_experts, self.expert_features, self.num_layers, use_bias=self.expert_bias,
                           interleaved=self.gate_up == "interleaved", dtype=self.dtype,
@@ -290,7 +336,8 @@ class ExpertWeights(NamedTuple):
 
 def ragged_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     """Experts over rows sorted by expert, each projection one `jax.lax.ragged_dot` (plus the
-    row's expert's bias, when the experts have biases)."""
+    row's expert's bias, when the experts have biases). Rows past the groups (id E, the empty
+    slots of an exchange) belong to no expert; their outputs are meaningless and go unread."""
 
     def project(x, kernel, bias):
         y = jax.lax.ragged_dot(x, kernel, group_sizes)
@@ -315,7 +362,9 @@ def blocked_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     Each expert's rows are padded to whole blocks of `block_rows` rows (zero rows, whose outputs
     are zero and are dropped), every block is multiplied by its expert's kernels, and the rows are
     read back from their slots. The number of blocks is the most any routing can need,
-    ``ceil((assignments + E * (block - 1)) / block)``, so shapes stay static.
+    ``ceil((assignments + E * (block - 1)) / block)``, so shapes stay static. Rows past the groups
+    (id E, the empty slots of an exchange) land after the last group's rows, inside those blocks;
+    their outputs are meaningless and go unread.
     """
     assignments, width = rows.shape
     num_experts = kernels.gate.shape[0]
@@ -411,7 +460,8 @@ def router_metrics(collection: Mapping[str, Any]) -> dict[str, jax.Array]:
     of (row, choice) assignments and ``P_e`` the mean router probability of expert ``e``, both
     pooled over every mixture layer (k for a perfectly even router). ``z``: the mean over layers
     and rows of ``logsumexp(logits)^2``. ``expert_{e}_tokens``: the assignments expert ``e``
-    received, averaged over the mixture layers.
+    received, averaged over the mixture layers. ``dropped`` (layers with ``dispatch="exchange"``
+    only): the assignments their full send buffers dropped, summed over those layers.
     """
     flat = traverse_util.flatten_dict(dict(collection)) if collection else {}
     sums: dict[str, jax.Array] = {}
@@ -436,4 +486,6 @@ def router_metrics(collection: Mapping[str, Any]) -> dict[str, jax.Array]:
     }
     for e in range(num_experts):
         metrics[f"expert_{e}_tokens"] = tokens[e] / layers
+    if "dropped" in sums:
+        metrics["dropped"] = sums["dropped"]
     return metrics

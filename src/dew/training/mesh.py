@@ -17,19 +17,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.checks import count, count_fields
+from dew.nn.expert_parallel import ExpertSplit
 from dew.nn.gpipe import StageSplit
 from dew.nn.sequence_parallel import SequenceSplit, check_exchange
 
 # Mesh axes, outermost first. `replicas` spans hosts in hybrid sharding; `stage` holds GPipe's
 # stages (weights replicated over it); `data` is what is left.
 AXES = ("replicas", "stage", "data", "fsdp", "expert", "sequence", "tensor")
-# Axes the mesh names but no model or objective gives work to yet, and why a size above one is
-# refused rather than accepted and wasted.
-UNUSED_AXES = {
-    "expert": "mixture-of-experts layers do not shard their experts over it yet (their dispatch is "
-    "global: every device holds every expert), so the axis would only split the batch as the data "
-    "axis does",
-}
 # The axes a global batch is split over.
 BATCH_AXES = ("replicas", "data", "fsdp", "expert")
 
@@ -54,7 +48,9 @@ class MeshSpec:
 
     `stage` runs a decoder's scanned layer stack as that many GPipe stages (`dew.nn.gpipe`), each
     batch cut into `microbatches` (default: one per stage); weights and optimizer state stay
-    replicated over the stages, which save activation memory.
+    replicated over the stages, which save activation memory. `expert` splits mixture layers'
+    experts (and their optimizer state) over that many devices, which also split the batch
+    (`dew.nn.expert_parallel`); a model without mixture layers refuses it.
     """
 
     fsdp: int = 1
@@ -73,14 +69,6 @@ class MeshSpec:
                 f"MeshSpec(microbatches={self.microbatches}) cuts batches for pipeline stages, but stage=1. "
                 f"Set stage= as well, or use Trainer(accumulation=...) to split a batch on one stage."
             )
-        for name, reason in UNUSED_AXES.items():
-            if getattr(self, name) > 1:
-                raise ValueError(
-                    f"MeshSpec({name}={getattr(self, name)}) is not supported yet: {reason}. "
-                    f"Leave {name}=1 and spread the devices with fsdp= (shards parameters and "
-                    f"batch), tensor= (splits heads and MLP) or the data axis (takes the devices "
-                    f"left over)."
-                )
 
     def shape(self, device_count: int) -> dict[str, int]:
         """Axis sizes for `device_count` devices, with `data` filling the rest."""
@@ -264,6 +252,14 @@ def sequence_split(mesh: Mesh, layout: Layout) -> SequenceSplit | None:
     if mesh.size == 1:
         return None
     return SequenceSplit(mesh, BATCH_AXES, axis="sequence", heads_axis="tensor", exchange=layout.sequence_exchange)
+
+
+def expert_split(mesh: Mesh) -> ExpertSplit | None:
+    """How a step on `mesh` splits mixture layers: experts over the expert axis, token rows over the
+    batch axes and the sequence axis (None: an expert axis of one)."""
+    if mesh.shape["expert"] == 1:
+        return None
+    return ExpertSplit(mesh, BATCH_AXES + ("sequence",), axis="expert")
 
 
 def batch_divisor(mesh: Mesh) -> int:

@@ -44,6 +44,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         mlp_features=8192, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
         qk_norm=False,
     ),
+    "qwen3-30b-a3b": dict(  # every layer a mixture of 128 experts, top-8
+        vocab_size=151936, emb_features=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        mlp_features=6144, max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False,
+        qk_norm=True, mixture=dict(num_experts=128, top_k=8, expert_features=768, normalize_top_k=True),
+    ),
 }
 
 # What one device of each size holds, in bytes as the sizes are sold (a little under what the

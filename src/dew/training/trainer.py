@@ -22,6 +22,7 @@ import optax
 
 from dew.data.dataset import Dataset, Partition
 from dew.eval.evaluation import Evaluation, EvaluationResult
+from dew.nn.expert_parallel import exchanging
 from dew.nn.gpipe import staging
 from dew.nn.sequence_parallel import splitting
 from dew.objectives.base import Aux, Objective, Step
@@ -323,16 +324,25 @@ class Trainer:
     @contextlib.contextmanager
     def model_layout(self):
         """The layout a model traced inside this block gives its activations on this trainer's mesh:
-        token rows over the batch axes, lengths over `sequence` (`dew.nn.sequence_parallel`) and
-        the layer stack as GPipe stages over `stage` (`dew.nn.gpipe`). Raises afterwards when the
-        mesh asks for a sequence or stage split the model never made, since those devices would
-        only repeat each other's work."""
+        token rows over the batch axes, lengths over `sequence` (`dew.nn.sequence_parallel`),
+        mixtures' experts over `expert` (`dew.nn.expert_parallel`) and the layer stack as GPipe
+        stages over `stage` (`dew.nn.gpipe`). Raises afterwards when the mesh asks for a sequence,
+        expert or stage split the model never made, since those devices would only repeat each
+        other's work."""
         split = mesh_lib.sequence_split(self.mesh, self.layout)
         stages = self.mesh_spec.stage_split(self.mesh)
+        experts = mesh_lib.expert_split(self.mesh)
         if stages is not None and split is not None and split.size == 1:
             split = None  # stages lay out their microbatches themselves
-        with splitting(split) as split_lengths, staging(stages) as staged:
+        with splitting(split) as split_lengths, staging(stages) as staged, exchanging(experts) as mixtures:
             yield
+        if experts is not None and not mixtures:
+            raise ValueError(
+                f"MeshSpec(expert={experts.size}) splits mixture-of-experts layers' experts over {experts.size} "
+                f"devices, but {type(self.objective).__name__}'s model has no mixture layers (dew.nn.moe.Mixture), "
+                f"so the expert axis would only split the batch as the data axis does. Use expert=1 and give "
+                f"the devices to fsdp= or the data axis."
+            )
         if split is not None and split.size > 1 and not split_lengths:
             raise ValueError(
                 f"MeshSpec(sequence={split.size}) splits sequences over {split.size} devices, but "
