@@ -8,6 +8,7 @@ import pytest
 
 from dew.inference import TextGeneration
 from dew.nn import kv_pages
+from dew.nn.attention import cache_attention
 from dew.nn.backbones.causal_transformer import CausalTransformer
 from dew.nn.backbones.layer_plan import LayerKind
 from dew.nn.kv_cache import KVCache
@@ -73,6 +74,40 @@ def test_writes_land_in_the_page_the_table_names_and_past_the_table_in_scratch()
     seen_k, seen_v = kv_pages.gather_pages(k_pool, v_pool, table)
     np.testing.assert_array_equal(np.asarray(seen_k)[:, :, 0], [[0, 10, 11, 12], [0, 0, 20, 21]])
     np.testing.assert_array_equal(np.asarray(seen_v)[:, :, 0], [[0, 110, 111, 112], [0, 0, 120, 121]])
+
+
+def test_page_buckets_are_an_eighth_a_quarter_a_half_and_all_of_a_row():
+    assert kv_pages.page_buckets(32) == (4, 8, 16, 32)
+    assert kv_pages.page_buckets(7) == (1, 2, 4, 7)
+    assert kv_pages.page_buckets(2) == (1, 2)
+    assert kv_pages.page_buckets(1) == (1,)
+
+
+@pytest.mark.parametrize("filled", [1, 4, 5, 9, 31, 32])
+def test_attention_reads_the_smallest_bucket_of_pages_that_holds_every_written_slot(filled):
+    """Pages of 4, 8 per row (buckets of 1, 2, 4 and 8 pages). Every slot up to `filled` holds a
+    token; slots past it hold keys and values at valid positions too, which a row never has (a
+    bucket may skip them): attention sees exactly the slots of the bucket that covers `filled`."""
+    rows, kv_heads, page_size, entries, width = 2, 2, 4, 8, 8
+    pool_keys = jax.random.split(jax.random.key(0), 3)
+    k_pool = jax.random.normal(pool_keys[0], (rows * entries + 1, kv_heads, page_size, width))
+    v_pool = jax.random.normal(pool_keys[1], (rows * entries + 1, kv_heads, page_size, width))
+    table = jnp.asarray(np.random.default_rng(0).permutation(rows * entries).reshape(rows, entries), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(entries * page_size, dtype=jnp.int32), (rows, entries * page_size))
+    q = jax.random.normal(pool_keys[2], (rows, 1, 4, width))
+
+    def attend(q, keys, values, kv_positions):
+        return cache_attention(q, keys, values, q_positions=jnp.full((rows, 1), 10**6, jnp.int32),
+                               kv_positions=kv_positions, keys_by_slot=True)
+
+    got = jax.jit(kv_pages.attend_pages, static_argnums=0)(attend, q, k_pool, v_pool, table, positions, filled)
+    bucket = next(b for b in kv_pages.page_buckets(entries) if b * page_size >= filled)
+    seen = bucket * page_size
+    keys, values = kv_pages.gather_pages(k_pool, v_pool, table[:, :bucket])
+    np.testing.assert_allclose(got, attend(q, keys, values, positions[:, :seen]), rtol=1e-5, atol=1e-5)
+    if bucket < entries:  # the control: reading every page gives another answer
+        keys, values = kv_pages.gather_pages(k_pool, v_pool, table)
+        assert not np.allclose(got, attend(q, keys, values, positions), atol=1e-3)
 
 
 def test_positions_past_a_row_are_dropped_not_shifted():

@@ -132,6 +132,25 @@ def test_a_second_wave_of_paged_traffic_never_recompiles():
     assert (serving._prefill_pages_jit._cache_size(), serving._decode_jit._cache_size()) == compiled
 
 
+def test_rows_growing_across_page_buckets_decode_what_they_draw_alone_in_one_program():
+    """Decode steps attend over the first 1, 2, 3 then all 6 pages of each row (pages of 4) as the
+    longest row grows: every step equals generation alone, and the one decode program serves every
+    bucket, now and for the same traffic again."""
+    task = TextGeneration(*_model(max_seq_len=24))  # a model of its own: its programs are new
+    server = Server.from_task(task, slots=2, capacity=24, kv_cache=KVCache(page_size=4, pages=12))
+    traffic = [(list(range(1, 4)), 20, SETTINGS[2], 3), (list(range(5, 7)), 9, SETTINGS[1], 4)]
+    before = serving._decode_jit._cache_size()
+    served = _serve_staggered(server, traffic)
+    assert serving._decode_jit._cache_size() == before + 1
+    for request in served:
+        tokens, log_probs = _alone(task, request, 20)
+        assert request.tokens == tokens, f"request with seed {request.seed}"
+        np.testing.assert_allclose([e.logprob for e in request.events], log_probs, atol=1e-4)
+    assert len(served[0].tokens) == 20  # it decoded up to the last slot of its row
+    _serve_staggered(server, traffic)
+    assert serving._decode_jit._cache_size() == before + 1
+
+
 def test_bad_paged_settings_raise_before_anything_compiles(task):
     compiled = serving._prefill_pages_jit._cache_size(), serving._decode_jit._cache_size()
     with pytest.raises(ValueError, match="fewer than one request of capacity=48 needs"):

@@ -165,16 +165,20 @@ class SelfAttention(nn.Module):
             # (a paged cache writes into its pool and gathers each row's pages to attend over them)
             kv_positions, index, page_table = slots
             cache_k, cache_v = layer_cache
+
+            def attend(q, seen_k, seen_v, kv_positions):
+                return cache_attention(
+                    q, seen_k, seen_v, q_positions=positions, kv_positions=kv_positions,
+                    causal=self.causal, window=window, sinks=sinks, keys_by_slot=page_table is not None,
+                )
+
             if page_table is None:
                 cache_k, cache_v = write_kv(cache_k, cache_v, k, v, index)
-                seen_k, seen_v = cache_k, cache_v
-            else:
+                out = attend(q, cache_k, cache_v, kv_positions)
+            else:  # no row holds a token past slot max(index) + length: only the pages before it are read
                 cache_k, cache_v = kv_pages.write_pages(cache_k, cache_v, k, v, page_table, index)
-                seen_k, seen_v = kv_pages.gather_pages(cache_k, cache_v, page_table)
-            out = cache_attention(
-                q, seen_k, seen_v, q_positions=positions, kv_positions=kv_positions,
-                causal=self.causal, window=window, sinks=sinks, keys_by_slot=page_table is not None,
-            )
+                out = kv_pages.attend_pages(attend, q, cache_k, cache_v, page_table, kv_positions,
+                                            jnp.max(index) + length)
             new_cache = (cache_k, cache_v)
 
         out = self.project_out(out.reshape(*rows.shape[:-1], heads * head_dim), emb)
