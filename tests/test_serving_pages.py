@@ -222,3 +222,25 @@ def test_dew_serve_flags_build_a_paged_server_and_metrics_report_its_pages(tmp_p
     engine.submit(list(range(1, 12)), max_new_tokens=3, sampling=Sampling(), seed=0)  # 14 tokens: 2 pages
     engine.step()
     assert "dew_pages_used 2\n" in TestClient(app).get("/metrics").text
+
+
+def test_a_row_that_fills_its_capacity_inside_a_multi_step_call_leaves_shared_pages_alone(task):
+    """With decode_steps=4 a row reaching its capacity mid-call stops decoding for the rest of the call:
+    its remaining iterations write to the scratch page, not to slot 0 of its first page, which the
+    prefix cache shares with a later request starting with the same tokens. Four prompt lengths put
+    the filling iteration at each place within a call."""
+    greedy = Sampling(temperature=0.0)
+    server = Server.from_task(task, slots=2, capacity=32, decode_steps=4,
+                              kv_cache=KVCache(page_size=8, pages=8), chunk=8, prefix_cache=True)
+    for extra in range(1, 5):
+        prompt = SHARED + list(range(1, extra + 1))
+        first = server.submit(prompt, max_new_tokens=32 - len(prompt), sampling=greedy, seed=0)  # fills its row
+        while not first.finished:
+            server.step()
+        second = server.submit(SHARED + [40 + extra], max_new_tokens=8, sampling=greedy, seed=0)
+        while not second.finished:
+            server.step()
+        tokens, log_probs = _alone(task, second, REFERENCE_BUDGET)
+        assert second.tokens == tokens, f"after a first prompt of {len(prompt)} tokens"
+        np.testing.assert_allclose([e.logprob for e in second.events], log_probs, atol=1e-4)
+    assert server._pool.reused_tokens >= 4 * 16  # every second request read the shared two full pages

@@ -147,8 +147,12 @@ def _decode(model, variables, cache, state, *, steps):
         keys = jax.vmap(jax.random.fold_in)(state["keys"], state["drawn"])
         tokens, log_probs = choose_row_tokens(state["logits"], keys, state["settings"])
         live = state["live"]
-        # a free row feeds a harmless token at slot 0, never past the end of its row
+        # a free row feeds a harmless token at slot 0, never past the end of its row; a paged row
+        # not decoding (free, mid-prefill, or filled earlier in this call) writes to the scratch page
+        # only, never to its own pages, which a prefix cache may share with other rows
         cache = cache.replace(lengths=jnp.where(live, cache.lengths, 0), index=jnp.where(live, cache.index, 0))
+        if cache.paged:
+            cache = cache.replace(page_table=jnp.where(live[:, None], table, cache.pages))
         fed = jnp.where(live, tokens, 0)
         logits, cache = model.apply(variables, fed[:, None], cache=cache)
         drawn = state["drawn"] + live.astype(jnp.int32)
@@ -156,8 +160,6 @@ def _decode(model, variables, cache, state, *, steps):
         return (cache, dict(state, logits=logits[:, 0], drawn=drawn, live=live)), (tokens, log_probs)
 
     table = cache.page_table
-    if cache.paged:  # a row not decoding (free, or mid-prefill) writes to the scratch page only
-        cache = cache.replace(page_table=jnp.where(state["live"][:, None], table, cache.pages))
     if steps == 1:  # one iteration needs no loop
         (cache, state), (tokens, log_probs) = one((cache, state), None)
         tokens, log_probs = tokens[None], log_probs[None]
