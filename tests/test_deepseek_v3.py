@@ -74,12 +74,11 @@ def test_the_comparison_catches_a_wrong_split_router_rope_or_scale(loaded):
         heads = kernel.reshape(kernel.shape[0], 4, 12)
         swapped[f"layers_{i}"]["self_attn"]["q_b_proj"]["kernel"] = jnp.concatenate(
             [heads[..., 8:], heads[..., :8]], axis=-1).reshape(kernel.shape)
-    assert far(logits(model, {"params": swapped}, ids), ref["logits"])
+    assert far(logits(model, {**bundle.variables, "params": swapped}, ids), ref["logits"])
 
-    unbiased = params_of(bundle)  # the balancing bias left out of the choice
-    for i in (1, 2):
-        unbiased[f"layers_{i}"]["mlp"]["score_bias"] = jnp.zeros(8)
-    assert far(logits(model, {"params": unbiased}, ids), ref["logits"])
+    # the balancing bias left out of the choice
+    unbiased = {**bundle.variables, "balance": jax.tree_util.tree_map(jnp.zeros_like, bundle.variables["balance"])}
+    assert far(logits(model, unbiased, ids), ref["logits"])
 
     wrong_models = [
         model.clone(latent_attention={**latent, "rope_interleave": False}),
@@ -154,9 +153,9 @@ def test_a_trainer_update_exports_and_reloads(tmp_path, loaded):
         for key in path:
             a, b = a[key], b[key]
         assert not np.allclose(np.asarray(a), np.asarray(b)), path
-    # the balancing bias chooses experts but gets no gradient, so the loss does not move it
-    np.testing.assert_array_equal(np.asarray(trained["layers_1"]["mlp"]["score_bias"]),
-                                  np.asarray(before["layers_1"]["mlp"]["score_bias"]))
+    # the balancing bias chooses experts but is no parameter: without a bias_update_rate nothing moves it
+    np.testing.assert_array_equal(np.asarray(state.variables["balance"]["layers_1"]["mlp"]["score_bias"]),
+                                  np.asarray(bundle.variables["balance"]["layers_1"]["mlp"]["score_bias"]))
     out = bundle.save(tmp_path / "trained", variables=state.variables)
     again = PretrainedDecoder.load(out)
     ids = rows[:2, :12]
@@ -294,7 +293,7 @@ def test_fp8_block_weights_save_back_unchanged_and_trained_ones_requantize(tmp_p
     kernel = params["layers_0"]["self_attn"]["o_proj"]["kernel"]
     # Dew's kernel is [in, out]: its [:8, :4] is the checkpoint's first 4 x 8 block; the next block shrinks
     params["layers_0"]["self_attn"]["o_proj"]["kernel"] = kernel.at[:8, :4].multiply(3.0).at[:8, 4:8].multiply(0.5)
-    out = bundle.save(tmp_path / "trained", variables={"params": params})
+    out = bundle.save(tmp_path / "trained", variables={**bundle.variables, "params": params})
     again = PretrainedDecoder.load(out)
     name = "model.layers.0.self_attn.o_proj.weight"
     written = SafetensorsFile(out / "model.safetensors")

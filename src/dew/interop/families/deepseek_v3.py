@@ -48,7 +48,8 @@ WEIGHTS: tuple[Weight, ...] = tuple(w for w in llama.WEIGHTS if ".self_attn." no
     *_linear("self_attn.kv_b_proj"),
     *_linear("self_attn.o_proj"),
     Weight("model.layers.{i}.mlp.gate.weight", "layers_{i}/mlp/gate", True),
-    Weight("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers_{i}/mlp/score_bias"),
+    # a buffer in transformers, moved by the balancing rule: the "balance" collection in Dew
+    Weight("model.layers.{i}.mlp.gate.e_score_correction_bias", "balance/layers_{i}/mlp/score_bias"),
     _expert("gate_proj"),
     _expert("up_proj"),
     _expert("down_proj"),
