@@ -205,19 +205,18 @@ def test_checkpoint_settings_dew_does_not_implement_are_named(tmp_path, change, 
         PretrainedDecoder.load(directory)
 
 
-def test_the_multi_token_prediction_layer_of_a_release_is_skipped(tmp_path):
+def test_an_incomplete_multi_token_prediction_layer_or_a_stray_tensor_is_refused(tmp_path):
     from dew.interop.safetensors_io import save_file
 
     directory = tmp_path / "deepseek_v3"
     shutil.copytree(FIXTURES / "deepseek_v3", directory)
     tensors = dict(SafetensorsFile(directory / "model.safetensors"))
     tensors = {name: np.array(value) for name, value in tensors.items()}
-    tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)  # the layer after the last
+    tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)  # a layer after the last, alone
     save_file(tensors, directory / "model.safetensors")
-    bundle = PretrainedDecoder.load(directory)
-    ref = reference("deepseek_v3")
-    np.testing.assert_allclose(logits(bundle.model, bundle.variables, ref["input_ids"]), ref["logits"],
-                               atol=TOLERANCE, rtol=0)
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.3.enorm.weight'"):
+        PretrainedDecoder.load(directory)
+    del tensors["model.layers.3.eh_proj.weight"]
     tensors["model.layers.2.self_attn.extra.weight"] = np.zeros((2, 2), np.float32)  # inside the model: refused
     save_file(tensors, directory / "model.safetensors")
     with pytest.raises(ValueError, match="unexpected tensors"):
@@ -375,3 +374,60 @@ def test_the_server_decodes_latent_attention_from_its_compressed_cache(loaded):
     while not (first.finished and second.finished):
         server.step()
     assert [first.tokens, second.tokens] == ref["greedy"].tolist()
+
+
+# --- multi-token prediction layers ----------------------------------------------------------------
+
+MTP_NAME = "deepseek_v3-mtp"
+
+
+def test_multi_token_prediction_layers_load_frozen_train_untouched_and_save_back(tmp_path):
+    from dew import Dataset, Trainer
+    from dew.objectives.lm import LMObjective
+
+    bundle, ref = PretrainedDecoder.load(FIXTURES / MTP_NAME), reference(MTP_NAME)
+    original = SafetensorsFile(FIXTURES / MTP_NAME / "model.safetensors")
+    mtp_names = sorted(name for name in original if name.startswith("model.layers.3."))
+    assert "model.layers.3.eh_proj.weight" in mtp_names and "model.layers.3.mlp.gate.e_score_correction_bias" in mtp_names
+    layer = bundle.variables["mtp"]["layers_0"]
+    assert sorted(layer) == ["block", "eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head"]
+    assert layer["eh_proj"]["kernel"].shape == (64, 32)  # Dew's [in, out] of [norm(embedding), norm(hidden)]
+    np.testing.assert_array_equal(np.asarray(layer["block"]["mlp"]["experts"]["up_proj"][5]),
+                                  original["model.layers.3.mlp.experts.5.up_proj.weight"].T)
+    # the causal LM is the one transformers runs
+    np.testing.assert_allclose(logits(bundle.model, bundle.variables, ref["input_ids"]), ref["logits"],
+                               atol=TOLERANCE, rtol=0)
+
+    rows = np.random.default_rng(0).integers(3, 128, size=(8, 13)).astype(np.int32)
+    trainer = Trainer(LMObjective(bundle, seq_len=12), optax.adamw(1e-2, weight_decay=0.5), key=jax.random.key(0))
+    state = trainer.fit(Dataset.from_records({"text": rows}, batch=8), steps=1, log_every=1)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
+    assert paths and not any("mtp" in p or "eh_proj" in p for p in paths)  # frozen: no optimizer state
+    out = bundle.save(tmp_path / "trained", variables=state.variables)
+    exported = SafetensorsFile(out / "model.safetensors")
+    assert sorted(exported) == sorted(original)  # every tensor it read
+    for name in mtp_names:  # byte for byte, after a step that moved the model's own weights
+        assert np.asarray(exported[name]).tobytes() == np.asarray(original[name]).tobytes(), name
+    assert not np.array_equal(exported["model.layers.2.mlp.gate.weight"], original["model.layers.2.mlp.gate.weight"])
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    # negative control: a checkpoint without the layers (its config names one) writes none and says so
+    plain = PretrainedDecoder.load(FIXTURES / "deepseek_v3")
+    assert "mtp" not in plain.variables
+    out = plain.save(tmp_path / "plain")
+    assert not any(name.startswith("model.layers.3.") for name in SafetensorsFile(out / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_an_untrained_multi_token_prediction_checkpoint_saves_byte_for_byte(tmp_path):
+    bundle = PretrainedDecoder.load(FIXTURES / MTP_NAME)
+    out = bundle.save(tmp_path / "export")
+    original = SafetensorsFile(FIXTURES / MTP_NAME / "model.safetensors")
+    exported = SafetensorsFile(out / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for name in original:
+        assert np.asarray(exported[name]).tobytes() == np.asarray(original[name]).tobytes(), name
+    broken = {**bundle.variables, "mtp": {"layers_0": {k: v for k, v in bundle.variables["mtp"]["layers_0"].items()
+                                                       if k != "hnorm"}}}
+    with pytest.raises(ValueError, match="has no 'layers_0/hnorm/scale'"):
+        bundle.save(tmp_path / "broken", variables=broken)

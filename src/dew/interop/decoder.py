@@ -121,13 +121,14 @@ def _flat_weights(variables: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _weight_variables(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """`_flat_weights` back to a variables mapping."""
-    prefix = f"{BALANCE_COLLECTION}/"
-    variables = {"params": _nested({p: v for p, v in flat.items() if not p.startswith(prefix)})}
-    balance = {p[len(prefix):]: v for p, v in flat.items() if p.startswith(prefix)}
-    if balance:
-        variables[BALANCE_COLLECTION] = _nested(balance)
-    return variables
+    """`_flat_weights` (with any ``mtp/`` entries) back to a variables mapping."""
+    variables = {"params": {}}
+    for path, value in flat.items():
+        collection, inner = path.split("/", 1)
+        if collection not in (BALANCE_COLLECTION, MTP_COLLECTION):
+            collection, inner = "params", path
+        variables.setdefault(collection, {})[inner] = value
+    return {collection: _nested(tree) for collection, tree in variables.items()}
 
 
 def _expected_params(model: CausalTransformer) -> dict[str, jax.ShapeDtypeStruct]:
@@ -168,12 +169,15 @@ def _unstack_layers(flat: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return out
 
 
-def _weight_names(family: ModuleType, model: CausalTransformer,
-                  expected: Mapping[str, Any]) -> list[Weight]:
-    """The family's table expanded over the layers, keeping the tensors this model has."""
+def _weight_names(family: ModuleType, model: CausalTransformer, expected: Mapping[str, Any], *,
+                  layers: Any = None, complete: bool = True) -> list[Weight]:
+    """The family's table expanded over the layers, keeping the tensors this model has (``layers``:
+    only those layers' tensors; ``complete``: check every expected param is named)."""
     names = []
     for weight in family.WEIGHTS:
-        indices = range(model.num_layers) if "{i}" in weight.dew else [None]
+        if layers is not None and "{i}" not in weight.dew:
+            continue
+        indices = (range(model.num_layers) if layers is None else layers) if "{i}" in weight.dew else [None]
         for i in indices:
             dew = weight.dew.format(i=i) if i is not None else weight.dew
             if dew not in expected:
@@ -183,11 +187,46 @@ def _weight_names(family: ModuleType, model: CausalTransformer,
                 names.append(Weight(weight.hf.format(i=i, e=e), dew, weight.transpose, e))
     covered = {w.dew for w in names}
     uncovered = sorted(set(expected) - covered)
-    if uncovered:  # a table that misses a param is a bug in the family, not in the checkpoint
+    if uncovered and complete:  # a table that misses a param is a bug in the family, not in the checkpoint
         raise NotImplementedError(
             f"the {family.MODEL_TYPE} weight table has no checkpoint name for params {uncovered[:5]}"
         )
     return names
+
+
+MTP_COLLECTION = "mtp"  # multi-token prediction layers: read, held frozen and written back, never run
+
+
+def _mtp_names(family: ModuleType, model: CausalTransformer, expected: Mapping[str, Any],
+               k: int) -> tuple[list[Weight], dict[str, tuple[int, ...]]]:
+    """Multi-token prediction layer ``k``'s tensors (`families.deepseek_v3.MTP_WEIGHTS`, and a
+    decoder layer named as the model's last is) with their flat paths ``mtp/layers_{k}/...`` and shapes."""
+    last, index = model.num_layers - 1, model.num_layers + k
+    where = f"{MTP_COLLECTION}/layers_{k}"
+    hidden, vocab = expected["embed_tokens/embedding"].shape[::-1]
+    names, shapes = [], {}
+    for weight in family.MTP_WEIGHTS:
+        dew = weight.dew
+        names.append(Weight(weight.hf.format(i=index), f"{where}/{dew}", weight.transpose))
+        shapes[f"{where}/{dew}"] = family.mtp_shapes(hidden, vocab)[dew]
+    block_names = _weight_names(family, model, expected, layers=[last], complete=False)
+    for weight in block_names:
+        inner = _split_collection(weight.dew)[1].split("/", 1)[1]  # the path inside the last layer
+        path = f"{where}/block/{inner}"
+        names.append(Weight(weight.hf.replace(f"model.layers.{last}.", f"model.layers.{index}.", 1), path,
+                            weight.transpose, weight.expert))
+        shapes[path] = tuple(expected[weight.dew].shape)
+    return names, shapes
+
+
+def _mtp_present(family: ModuleType, model: CausalTransformer, config: Mapping[str, Any], checkpoint: Any) -> int:
+    """How many multi-token prediction layers the checkpoint holds (config.json may name more)."""
+    if not hasattr(family, "MTP_WEIGHTS"):
+        return 0
+    layers = 0
+    while layers < family.mtp_layers(config) and family.MTP_MARKER.format(i=model.num_layers + layers) in checkpoint:
+        layers += 1
+    return layers
 
 
 def _hf_shape(weight: Weight, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -218,6 +257,10 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
     layered = _layered(model)
     expected = _expected_params(layered)
     names = _weight_names(family, layered, expected)
+    for k in range(_mtp_present(family, layered, config, checkpoint)):
+        mtp_names, mtp_shapes = _mtp_names(family, layered, expected, k)
+        names += mtp_names
+        expected = {**expected, **{path: jax.ShapeDtypeStruct(shape, jnp.float32) for path, shape in mtp_shapes.items()}}
     wanted = {w.hf for w in names}
 
     def ignorable(name: str) -> bool:
@@ -259,7 +302,7 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
         if weight.expert is not None:
             experts.setdefault(weight.dew, []).append(np.asarray(array, dtype=dtype))
             continue
-        kept = dtype if not weight.dew.startswith(f"{BALANCE_COLLECTION}/") else np.float32  # the bias stays float32
+        kept = np.float32 if weight.dew.endswith("/score_bias") else dtype  # the balancing bias stays float32
         flat[weight.dew] = jnp.asarray(np.asarray(array, dtype=kept))
     for path, slices in experts.items():  # the table lists a param's experts in order
         flat[path] = jnp.asarray(np.stack(slices))
@@ -371,7 +414,8 @@ class PretrainedDecoder(Pretrained):
     Attributes:
       model: the CausalTransformer.
       variables: ``{"params": ...}`` (plain arrays), with the routers' balancing bias in
-        ``"balance"`` for a model that has one (DeepSeek-V3's ``e_score_correction_bias``).
+        ``"balance"`` for a model that has one (DeepSeek-V3's ``e_score_correction_bias``) and its
+        multi-token prediction layers in ``"mtp"`` when the checkpoint holds them (frozen, saved back).
       tokenizer: an HFTokenizer when the directory holds tokenizer.json, else None.
       config: the Hugging Face config.json as a dict.
       generation_config: generation_config.json as a dict, or None.
@@ -489,7 +533,8 @@ class PretrainedDecoder(Pretrained):
             raise ValueError(f"ema=True asks for {run}'s moving-average weights, but the run keeps no EMA copy; pass ema=False (dew export --live).")
         variables = state.averaged if ema else state.variables
         # the weights alone: never a DPO reference
-        variables = {name: value for name, value in variables.items() if name in ("params", BALANCE_COLLECTION)}
+        variables = {name: value for name, value in variables.items()
+                     if name in ("params", BALANCE_COLLECTION, MTP_COLLECTION)}
         sampling = saved.config.sampling
         generation_config = None
         if sampling is not None:
@@ -623,6 +668,8 @@ class PretrainedDecoder(Pretrained):
             raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
         config = self.export_config()  # raises before anything is written
         tensors = self._hf_tensors(meta.unbox(dict(variables)), dtype, config)
+        if "num_nextn_predict_layers" in config:  # the multi-token prediction layers written, if any
+            config["num_nextn_predict_layers"] = len(variables.get(MTP_COLLECTION, {}))
         if self.packed_scales:
             tensors = codecs.pack_mxfp4_tensors(tensors, sorted(self.packed_scales), self.packed_scales)
         float_dtypes = {str(t.dtype) for t in tensors.values() if np.issubdtype(t.dtype, np.floating)
@@ -640,6 +687,36 @@ class PretrainedDecoder(Pretrained):
             if self.tokenizer is not None:
                 self.tokenizer.save(staging)
         return dest
+
+    def _mtp_tensors(self, variables: Mapping[str, Any], family: ModuleType, layered: CausalTransformer,
+                     dtype: Any) -> dict[str, np.ndarray]:
+        """The multi-token prediction layers of ``variables["mtp"]``, by checkpoint name (none without)."""
+        held = _flat(variables.get(MTP_COLLECTION, {}))
+        if not held:
+            return {}
+        if not hasattr(family, "MTP_WEIGHTS"):
+            raise ValueError(f"the variables hold multi-token prediction layers, which {family.MODEL_TYPE} "
+                             "checkpoints do not have; drop variables['mtp'] to export the causal LM alone")
+        layers = len({path.split("/", 1)[0] for path in held})
+        expected = _expected_params(layered)
+        tensors, read = {}, set()
+        for k in range(layers):
+            for weight in _mtp_names(family, layered, expected, k)[0]:
+                path = weight.dew.split("/", 1)[1]
+                if path not in held:
+                    raise ValueError(f"variables['mtp'] has no {path!r}; pass the mtp collection the bundle was loaded with")
+                read.add(path)
+                array = np.asarray(jax.device_get(held[path]))
+                if weight.expert is not None:
+                    array = array[weight.expert]
+                if weight.transpose:
+                    array = array.T
+                if dtype is not None and (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
+                    array = array.astype(jnp.dtype(dtype))
+                tensors[weight.hf] = np.ascontiguousarray(array)
+        if set(held) - read:
+            raise ValueError(f"variables['mtp'] holds {sorted(set(held) - read)[:4]}, which no checkpoint tensor names")
+        return tensors
 
     def _hf_tensors(self, variables: Mapping[str, Any], dtype: Any,
                     config: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -660,6 +737,7 @@ class PretrainedDecoder(Pretrained):
             if dtype is not None and (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
                 array = array.astype(jnp.dtype(dtype))
             tensors[weight.hf] = np.ascontiguousarray(array)
+        tensors.update(self._mtp_tensors(variables, family, layered, dtype))
         quantization = fp8_blocks.BlockQuantization.from_config(config)
         if self.fp8_scales and quantization is not None:  # back to FP8 blocks, as the checkpoint was read
             for name, scale in self.fp8_scales.items():
