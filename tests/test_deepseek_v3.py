@@ -25,11 +25,12 @@ from dew.nn.backbones.causal_transformer import CausalTransformer
 from hf_reference import FIXTURES, TOLERANCE, far, logits, moved_variables, reference, transformers_reads
 
 NAMES = ["deepseek_v3", "deepseek_v3-full-q"]
+MTP_NAME = "deepseek_v3-mtp"  # deepseek_v3 with a multi-token prediction layer after its last
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return {name: PretrainedDecoder.load(FIXTURES / name) for name in NAMES}
+    return {name: PretrainedDecoder.load(FIXTURES / name) for name in NAMES + [MTP_NAME]}
 
 
 def params_of(bundle):
@@ -227,7 +228,7 @@ def test_an_incomplete_multi_token_prediction_layer_or_a_stray_tensor_is_refused
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + [MTP_NAME])
 def test_transformers_reads_a_trained_export_with_the_same_logits(tmp_path, loaded, name):
     bundle = loaded[name]
     moved = moved_variables(bundle)
@@ -377,8 +378,6 @@ def test_the_server_decodes_latent_attention_from_its_compressed_cache(loaded):
 
 
 # --- multi-token prediction layers ----------------------------------------------------------------
-
-MTP_NAME = "deepseek_v3-mtp"
 
 
 def test_multi_token_prediction_layers_load_frozen_train_untouched_and_save_back(tmp_path):

@@ -40,6 +40,7 @@ from dew.nn.moe import BALANCE_COLLECTION
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+MTP_COLLECTION = "mtp"  # multi-token prediction layers: read, held frozen and written back, never run
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -124,7 +125,7 @@ def _weight_variables(flat: Mapping[str, Any]) -> dict[str, Any]:
     """`_flat_weights` (with any ``mtp/`` entries) back to a variables mapping."""
     variables = {"params": {}}
     for path, value in flat.items():
-        collection, inner = path.split("/", 1)
+        collection, _, inner = path.partition("/")
         if collection not in (BALANCE_COLLECTION, MTP_COLLECTION):
             collection, inner = "params", path
         variables.setdefault(collection, {})[inner] = value
@@ -192,9 +193,6 @@ def _weight_names(family: ModuleType, model: CausalTransformer, expected: Mappin
             f"the {family.MODEL_TYPE} weight table has no checkpoint name for params {uncovered[:5]}"
         )
     return names
-
-
-MTP_COLLECTION = "mtp"  # multi-token prediction layers: read, held frozen and written back, never run
 
 
 def _mtp_names(family: ModuleType, model: CausalTransformer, expected: Mapping[str, Any],
