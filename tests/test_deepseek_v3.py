@@ -430,3 +430,19 @@ def test_an_untrained_multi_token_prediction_checkpoint_saves_byte_for_byte(tmp_
                                                        if k != "hnorm"}}}
     with pytest.raises(ValueError, match="has no 'layers_0/hnorm/scale'"):
         bundle.save(tmp_path / "broken", variables=broken)
+
+
+def test_a_bundle_with_prediction_layers_keeps_its_weights_logical_axis_names(loaded):
+    """The held mtp collection has no counterpart in a fresh init; the other collections still take
+    their names from one, so tensor parallelism splits the vocabulary as it does without it."""
+    from dew import Layout, MeshSpec, Trainer
+    from dew.objectives.lm import LMObjective
+
+    specs = {}
+    for name in ("deepseek_v3", MTP_NAME):
+        trainer = Trainer(LMObjective(loaded[name], seq_len=12), optax.adam(1e-3), key=jax.random.key(0),
+                          mesh=MeshSpec(tensor=2), layout=Layout(min_shard=1))
+        _, shardings = trainer._plan()
+        specs[name] = shardings.variables["params"]["embed_tokens"]["embedding"].spec
+    assert specs["deepseek_v3"][0] == "tensor"  # the vocabulary axis, by its logical name
+    assert specs[MTP_NAME] == specs["deepseek_v3"]
