@@ -128,6 +128,8 @@ def test_no_gradient_reaches_the_balancing_bias():
     grads = jax.grad(lambda v: jnp.sum(layer.apply(v, rows) ** 2))(variables)
     assert float(jnp.abs(grads["balance"]["score_bias"]).max()) == 0.0
     assert float(jnp.abs(grads["params"]["gate"]).max()) > 0.0
+    with pytest.raises(ValueError, match="no 'balance' collection with its score_bias"):
+        layer.apply({"params": variables["params"]}, rows)
 
 
 @pytest.mark.parametrize("grouped", ["ragged_dot", "blocks"])

@@ -192,6 +192,12 @@ class Mixture(nn.Module):
             probs = jax.nn.sigmoid(logits)
         choice = probs
         if self.score_bias:
+            if not self.is_initializing() and not self.has_variable(BALANCE_COLLECTION, "score_bias"):
+                raise ValueError(
+                    f"this router chooses experts with a balancing bias, but the variables hold no "
+                    f"{BALANCE_COLLECTION!r} collection with its score_bias; pass every collection the model "
+                    f"was initialized or loaded with (e.g. {{**bundle.variables, 'params': ...}}), not 'params' alone"
+                )
             bias = self.variable(BALANCE_COLLECTION, "score_bias", jnp.zeros, (self.num_experts,), jnp.float32)
             choice = probs + jax.lax.stop_gradient(bias.value)  # moved by a balancing rule, not by the loss
         if self.group_top_k is not None and self.group_top_k < self.groups:
