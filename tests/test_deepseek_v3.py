@@ -25,11 +25,12 @@ from dew.nn.backbones.causal_transformer import CausalTransformer
 from hf_reference import FIXTURES, TOLERANCE, far, logits, moved_variables, reference, transformers_reads
 
 NAMES = ["deepseek_v3", "deepseek_v3-full-q"]
+MTP_NAME = "deepseek_v3-mtp"  # deepseek_v3 with a multi-token prediction layer after its last
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return {name: PretrainedDecoder.load(FIXTURES / name) for name in NAMES}
+    return {name: PretrainedDecoder.load(FIXTURES / name) for name in NAMES + [MTP_NAME]}
 
 
 def params_of(bundle):
@@ -74,12 +75,11 @@ def test_the_comparison_catches_a_wrong_split_router_rope_or_scale(loaded):
         heads = kernel.reshape(kernel.shape[0], 4, 12)
         swapped[f"layers_{i}"]["self_attn"]["q_b_proj"]["kernel"] = jnp.concatenate(
             [heads[..., 8:], heads[..., :8]], axis=-1).reshape(kernel.shape)
-    assert far(logits(model, {"params": swapped}, ids), ref["logits"])
+    assert far(logits(model, {**bundle.variables, "params": swapped}, ids), ref["logits"])
 
-    unbiased = params_of(bundle)  # the balancing bias left out of the choice
-    for i in (1, 2):
-        unbiased[f"layers_{i}"]["mlp"]["score_bias"] = jnp.zeros(8)
-    assert far(logits(model, {"params": unbiased}, ids), ref["logits"])
+    # the balancing bias left out of the choice
+    unbiased = {**bundle.variables, "balance": jax.tree_util.tree_map(jnp.zeros_like, bundle.variables["balance"])}
+    assert far(logits(model, unbiased, ids), ref["logits"])
 
     wrong_models = [
         model.clone(latent_attention={**latent, "rope_interleave": False}),
@@ -154,9 +154,9 @@ def test_a_trainer_update_exports_and_reloads(tmp_path, loaded):
         for key in path:
             a, b = a[key], b[key]
         assert not np.allclose(np.asarray(a), np.asarray(b)), path
-    # the balancing bias chooses experts but gets no gradient, so the loss does not move it
-    np.testing.assert_array_equal(np.asarray(trained["layers_1"]["mlp"]["score_bias"]),
-                                  np.asarray(before["layers_1"]["mlp"]["score_bias"]))
+    # the balancing bias chooses experts but is no parameter: without a bias_update_rate nothing moves it
+    np.testing.assert_array_equal(np.asarray(state.variables["balance"]["layers_1"]["mlp"]["score_bias"]),
+                                  np.asarray(bundle.variables["balance"]["layers_1"]["mlp"]["score_bias"]))
     out = bundle.save(tmp_path / "trained", variables=state.variables)
     again = PretrainedDecoder.load(out)
     ids = rows[:2, :12]
@@ -206,19 +206,18 @@ def test_checkpoint_settings_dew_does_not_implement_are_named(tmp_path, change, 
         PretrainedDecoder.load(directory)
 
 
-def test_the_multi_token_prediction_layer_of_a_release_is_skipped(tmp_path):
+def test_an_incomplete_multi_token_prediction_layer_or_a_stray_tensor_is_refused(tmp_path):
     from dew.interop.safetensors_io import save_file
 
     directory = tmp_path / "deepseek_v3"
     shutil.copytree(FIXTURES / "deepseek_v3", directory)
     tensors = dict(SafetensorsFile(directory / "model.safetensors"))
     tensors = {name: np.array(value) for name, value in tensors.items()}
-    tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)  # the layer after the last
+    tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)  # a layer after the last, alone
     save_file(tensors, directory / "model.safetensors")
-    bundle = PretrainedDecoder.load(directory)
-    ref = reference("deepseek_v3")
-    np.testing.assert_allclose(logits(bundle.model, bundle.variables, ref["input_ids"]), ref["logits"],
-                               atol=TOLERANCE, rtol=0)
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.3.enorm.weight'"):
+        PretrainedDecoder.load(directory)
+    del tensors["model.layers.3.eh_proj.weight"]
     tensors["model.layers.2.self_attn.extra.weight"] = np.zeros((2, 2), np.float32)  # inside the model: refused
     save_file(tensors, directory / "model.safetensors")
     with pytest.raises(ValueError, match="unexpected tensors"):
@@ -229,7 +228,7 @@ def test_the_multi_token_prediction_layer_of_a_release_is_skipped(tmp_path):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + [MTP_NAME])
 def test_transformers_reads_a_trained_export_with_the_same_logits(tmp_path, loaded, name):
     bundle = loaded[name]
     moved = moved_variables(bundle)
@@ -294,7 +293,7 @@ def test_fp8_block_weights_save_back_unchanged_and_trained_ones_requantize(tmp_p
     kernel = params["layers_0"]["self_attn"]["o_proj"]["kernel"]
     # Dew's kernel is [in, out]: its [:8, :4] is the checkpoint's first 4 x 8 block; the next block shrinks
     params["layers_0"]["self_attn"]["o_proj"]["kernel"] = kernel.at[:8, :4].multiply(3.0).at[:8, 4:8].multiply(0.5)
-    out = bundle.save(tmp_path / "trained", variables={"params": params})
+    out = bundle.save(tmp_path / "trained", variables={**bundle.variables, "params": params})
     again = PretrainedDecoder.load(out)
     name = "model.layers.0.self_attn.o_proj.weight"
     written = SafetensorsFile(out / "model.safetensors")
@@ -376,3 +375,74 @@ def test_the_server_decodes_latent_attention_from_its_compressed_cache(loaded):
     while not (first.finished and second.finished):
         server.step()
     assert [first.tokens, second.tokens] == ref["greedy"].tolist()
+
+
+# --- multi-token prediction layers ----------------------------------------------------------------
+
+
+def test_multi_token_prediction_layers_load_frozen_train_untouched_and_save_back(tmp_path):
+    from dew import Dataset, Trainer
+    from dew.objectives.lm import LMObjective
+
+    bundle, ref = PretrainedDecoder.load(FIXTURES / MTP_NAME), reference(MTP_NAME)
+    original = SafetensorsFile(FIXTURES / MTP_NAME / "model.safetensors")
+    mtp_names = sorted(name for name in original if name.startswith("model.layers.3."))
+    assert "model.layers.3.eh_proj.weight" in mtp_names and "model.layers.3.mlp.gate.e_score_correction_bias" in mtp_names
+    layer = bundle.variables["mtp"]["layers_0"]
+    assert sorted(layer) == ["block", "eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head"]
+    assert layer["eh_proj"]["kernel"].shape == (64, 32)  # Dew's [in, out] of [norm(embedding), norm(hidden)]
+    np.testing.assert_array_equal(np.asarray(layer["block"]["mlp"]["experts"]["up_proj"][5]),
+                                  original["model.layers.3.mlp.experts.5.up_proj.weight"].T)
+    # the causal LM is the one transformers runs
+    np.testing.assert_allclose(logits(bundle.model, bundle.variables, ref["input_ids"]), ref["logits"],
+                               atol=TOLERANCE, rtol=0)
+
+    rows = np.random.default_rng(0).integers(3, 128, size=(8, 13)).astype(np.int32)
+    trainer = Trainer(LMObjective(bundle, seq_len=12), optax.adamw(1e-2, weight_decay=0.5), key=jax.random.key(0))
+    state = trainer.fit(Dataset.from_records({"text": rows}, batch=8), steps=1, log_every=1)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
+    assert paths and not any("mtp" in p or "eh_proj" in p for p in paths)  # frozen: no optimizer state
+    out = bundle.save(tmp_path / "trained", variables=state.variables)
+    exported = SafetensorsFile(out / "model.safetensors")
+    assert sorted(exported) == sorted(original)  # every tensor it read
+    for name in mtp_names:  # byte for byte, after a step that moved the model's own weights
+        assert np.asarray(exported[name]).tobytes() == np.asarray(original[name]).tobytes(), name
+    assert not np.array_equal(exported["model.layers.2.mlp.gate.weight"], original["model.layers.2.mlp.gate.weight"])
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    # negative control: a checkpoint without the layers (its config names one) writes none and says so
+    plain = PretrainedDecoder.load(FIXTURES / "deepseek_v3")
+    assert "mtp" not in plain.variables
+    out = plain.save(tmp_path / "plain")
+    assert not any(name.startswith("model.layers.3.") for name in SafetensorsFile(out / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_an_untrained_multi_token_prediction_checkpoint_saves_byte_for_byte(tmp_path):
+    bundle = PretrainedDecoder.load(FIXTURES / MTP_NAME)
+    out = bundle.save(tmp_path / "export")
+    original = SafetensorsFile(FIXTURES / MTP_NAME / "model.safetensors")
+    exported = SafetensorsFile(out / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for name in original:
+        assert np.asarray(exported[name]).tobytes() == np.asarray(original[name]).tobytes(), name
+    broken = {**bundle.variables, "mtp": {"layers_0": {k: v for k, v in bundle.variables["mtp"]["layers_0"].items()
+                                                       if k != "hnorm"}}}
+    with pytest.raises(ValueError, match="has no 'layers_0/hnorm/scale'"):
+        bundle.save(tmp_path / "broken", variables=broken)
+
+
+def test_a_bundle_with_prediction_layers_keeps_its_weights_logical_axis_names(loaded):
+    """The held mtp collection has no counterpart in a fresh init; the other collections still take
+    their names from one, so tensor parallelism splits the vocabulary as it does without it."""
+    from dew import Layout, MeshSpec, Trainer
+    from dew.objectives.lm import LMObjective
+
+    specs = {}
+    for name in ("deepseek_v3", MTP_NAME):
+        trainer = Trainer(LMObjective(loaded[name], seq_len=12), optax.adam(1e-3), key=jax.random.key(0),
+                          mesh=MeshSpec(tensor=2), layout=Layout(min_shard=1))
+        _, shardings = trainer._plan()
+        specs[name] = shardings.variables["params"]["embed_tokens"]["embedding"].spec
+    assert specs["deepseek_v3"][0] == "tensor"  # the vocabulary axis, by its logical name
+    assert specs[MTP_NAME] == specs["deepseek_v3"]

@@ -53,7 +53,7 @@ def perturbed(adapted, seed=1, scale=0.2):
     leaves, tree = jax.tree_util.tree_flatten(adapted.variables["params"])
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     moved = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-    return {"params": jax.tree_util.tree_unflatten(tree, moved), "base": adapted.variables["base"]}
+    return {**adapted.variables, "params": jax.tree_util.tree_unflatten(tree, moved)}  # base (and balance) as loaded
 
 
 def lm_data(seq_len=8, rows=4):

@@ -78,14 +78,14 @@ def test_global_dispatch_computes_each_rows_top_k_experts(settings):
                                          layer.shared_expert_gate)).max() > 1e-2
 
 
-def _grouped_sigmoid_reference(params, rows, top_k, groups, group_top_k, scale, bias_weights=False):
+def _grouped_sigmoid_reference(params, bias, rows, top_k, groups, group_top_k, scale, bias_weights=False):
     """DeepSeek-V3's router and experts row by row in NumPy: sigmoid scores, the bias added for the
     choice only, the best groups by their two best biased scores, the chosen scores renormalized.
     ``bias_weights`` (a negative control) weights the experts by the biased scores instead."""
     rows = np.asarray(rows, np.float64)
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
     scores = 1.0 / (1.0 + np.exp(-(rows @ p["gate"])))
-    choice = scores + p["score_bias"]
+    choice = scores + np.asarray(bias, np.float64)
     per_group = choice.shape[1] // groups
     out = np.zeros_like(rows)
     for t, row in enumerate(rows):
@@ -108,25 +108,28 @@ def test_the_grouped_sigmoid_router_chooses_by_biased_scores_and_weights_by_plai
                     group_top_k=2, normalize_top_k=True, routed_scale=2.5)
     rows = _rows(40)
     params = _params(layer, rows)
-    params["score_bias"] = jnp.asarray(np.random.default_rng(3).normal(0, 0.3, 8), jnp.float32)
-    got = np.asarray(layer.apply({"params": params}, rows))
-    want = _grouped_sigmoid_reference(params, rows, 3, 4, 2, 2.5)
+    bias = jnp.asarray(np.random.default_rng(3).normal(0, 0.3, 8), jnp.float32)
+    got = np.asarray(layer.apply({"params": params, "balance": {"score_bias": bias}}, rows))
+    want = _grouped_sigmoid_reference(params, bias, rows, 3, 4, 2, 2.5)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # negative controls: the bias as a weight, every group allowed, or no bias each route otherwise
-    assert np.abs(got - _grouped_sigmoid_reference(params, rows, 3, 4, 2, 2.5, bias_weights=True)).max() > 1e-2
-    assert np.abs(got - _grouped_sigmoid_reference(params, rows, 3, 4, 4, 2.5)).max() > 1e-2
-    unbiased = {**params, "score_bias": jnp.zeros(8)}
-    assert np.abs(got - _grouped_sigmoid_reference(unbiased, rows, 3, 4, 2, 2.5)).max() > 1e-2
+    assert np.abs(got - _grouped_sigmoid_reference(params, bias, rows, 3, 4, 2, 2.5, bias_weights=True)).max() > 1e-2
+    assert np.abs(got - _grouped_sigmoid_reference(params, bias, rows, 3, 4, 4, 2.5)).max() > 1e-2
+    assert np.abs(got - _grouped_sigmoid_reference(params, np.zeros(8), rows, 3, 4, 2, 2.5)).max() > 1e-2
 
 
 def test_no_gradient_reaches_the_balancing_bias():
     layer = Mixture(num_experts=8, top_k=2, expert_features=8, score="sigmoid", score_bias=True, groups=2,
                     group_top_k=1)
     rows = _rows(16)
-    params = _params(layer, rows)
-    grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, rows) ** 2))(params)
-    assert float(jnp.abs(grads["score_bias"]).max()) == 0.0
-    assert float(jnp.abs(grads["gate"]).max()) > 0.0
+    variables = nn.unbox(layer.init(jax.random.key(1), rows))
+    assert "score_bias" not in variables["params"]  # a collection of its own: no optimizer or decay sees it
+    variables["balance"]["score_bias"] = jnp.linspace(-0.5, 0.5, 8)
+    grads = jax.grad(lambda v: jnp.sum(layer.apply(v, rows) ** 2))(variables)
+    assert float(jnp.abs(grads["balance"]["score_bias"]).max()) == 0.0
+    assert float(jnp.abs(grads["params"]["gate"]).max()) > 0.0
+    with pytest.raises(ValueError, match="no 'balance' collection with its score_bias"):
+        layer.apply({"params": variables["params"]}, rows)
 
 
 @pytest.mark.parametrize("grouped", ["ragged_dot", "blocks"])

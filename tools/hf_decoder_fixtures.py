@@ -30,6 +30,9 @@ Run with the reference environment (torch CPU + transformers), not Dew's:
 
 ``deepseek_v3-fp8`` is the deepseek_v3 fixture's weights quantized here to FP8 blocks (DeepSeek's
 release format, small blocks), with the weights, logits and greedy tokens transformers reads from it.
+``deepseek_v3-mtp`` is the deepseek_v3 fixture with one multi-token prediction layer after its last
+(``model.layers.3.*``, as the release's ``model.layers.61.*``), drawn here since transformers does not
+build it; transformers reads the directory (leaving that layer out) with the source's logits.
 """
 
 from __future__ import annotations
@@ -333,9 +336,61 @@ def record_fp8():
     print(f"{directory.name}: {len(quantized)} FP8 tensors, greedy {generated.tolist()}")
 
 
+MTP_SOURCE = "deepseek_v3"
+
+
+def record_mtp():
+    """The deepseek_v3 fixture plus a multi-token prediction layer: enorm, hnorm, eh_proj, embed_tokens,
+    shared_head.{norm,head} and a decoder layer shaped like the last one, with its own balancing bias."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source, directory = OUT / MTP_SOURCE, OUT / f"{MTP_SOURCE}-mtp"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    config = json.loads((source / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    generator = torch.Generator().manual_seed(len(FIXTURES) + 1)
+
+    def draw(name, shape):
+        if name.endswith("norm.weight"):
+            return 1.0 + 0.2 * torch.randn(shape, generator=generator)
+        if name.endswith("e_score_correction_bias"):
+            return 0.1 * torch.randn(shape, generator=generator)
+        return WEIGHT_STD * torch.randn(shape, generator=generator)
+
+    tensors = load_file(source / "model.safetensors")
+    added = {}
+    for name, tensor in sorted(tensors.items()):
+        if name.startswith(f"model.layers.{last}."):
+            added[name.replace(f"model.layers.{last}.", f"model.layers.{mtp}.", 1)] = tuple(tensor.shape)
+    for part, shape in {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "eh_proj.weight": (hidden, 2 * hidden),
+                        "embed_tokens.weight": (vocab, hidden), "shared_head.norm.weight": (hidden,),
+                        "shared_head.head.weight": (vocab, hidden)}.items():
+        added[f"model.layers.{mtp}.{part}"] = shape
+    for name, shape in added.items():
+        tensors[name] = draw(name, shape).to(torch.float32).contiguous()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copy(source / "generation_config.json", directory / "generation_config.json")
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    reference = dict(np.load(source / "reference.npz"))
+    with torch.no_grad():
+        logits = model(torch.from_numpy(reference["input_ids"]).long()).logits.float().numpy()
+    if not np.array_equal(logits, reference["logits"]):
+        raise SystemExit("transformers' logits changed with the multi-token prediction layer beside the model")
+    np.savez_compressed(directory / "reference.npz", **reference)
+    print(f"{directory.name}: {len(added)} multi-token prediction tensors")
+
+
 def main(names):
     """Record the named fixtures (all by default); each keeps the seed of its place in FIXTURES."""
-    unknown = sorted(set(names) - set(FIXTURES) - {f"{FP8_SOURCE}-fp8"})
+    unknown = sorted(set(names) - set(FIXTURES) - {f"{FP8_SOURCE}-fp8", f"{MTP_SOURCE}-mtp"})
     if unknown:
         raise SystemExit(f"unknown fixtures {unknown}; choose from {list(FIXTURES)}")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -344,6 +399,8 @@ def main(names):
             record(name, seed)
     if not names or f"{FP8_SOURCE}-fp8" in names:
         record_fp8()
+    if not names or f"{MTP_SOURCE}-mtp" in names:
+        record_mtp()
     total = sum(path.stat().st_size for path in OUT.rglob("*") if path.is_file())
     print(f"total {total / 1024:.0f} KiB in {OUT}")
 

@@ -31,7 +31,7 @@ from flax.core import meta
 from dew.files import staged_directory
 from dew.interop import families
 from dew.interop.safetensors_io import SafetensorsFile, save_file
-from dew.nn.adapters import CONFIG_FILE, WEIGHTS_FILE, LoRA, LoRADecoder, factor_path
+from dew.nn.adapters import CONFIG_FILE, WEIGHTS_FILE, LoRA, LoRADecoder, factor_path, model_collections
 
 PEFT_PREFIX = "base_model.model."  # what PeftModelForCausalLM puts before a module's name
 HEAD = "lm_head"
@@ -312,7 +312,8 @@ def adapt(pretrained: Any, lora: LoRA, *, key: Any = None) -> "AdaptedDecoder":
         factors = _read_factors(lora, chosen, parameters, pretrained.model)
     else:
         factors = model.init_factors(meta.unbox(params), key)
-    return AdaptedDecoder(model=model, variables={"params": factors, "base": meta.unbox(params)},
+    others = model_collections(pretrained.variables)  # the routers' balancing bias, say
+    return AdaptedDecoder(model=model, variables={**others, "params": factors, "base": meta.unbox(params)},
                           base=pretrained, modules=tuple(chosen), parameters=tuple(parameters))
 
 
@@ -327,7 +328,7 @@ def restore(pretrained: Any, model: LoRADecoder, factors: Mapping[str, Any]) -> 
             "since the run"
         )
     factors = fresh._factors({"params": factors})
-    return dataclasses.replace(fresh, variables={"params": factors, "base": fresh.variables["base"]})
+    return dataclasses.replace(fresh, variables={**fresh.variables, "params": factors})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -389,7 +390,8 @@ class AdaptedDecoder:
         """A PretrainedDecoder of the base with the factors (the bundle's, or those of
         ``variables`` such as a trained ``state.variables``) folded into its kernels."""
         factors = self._factors(variables)
-        merged = self.model.merge({"params": factors, "base": self.variables["base"]})
+        others = model_collections(self.variables if variables is None else {**self.variables, **variables})
+        merged = self.model.merge({**others, "params": factors, "base": self.variables["base"]})
         return dataclasses.replace(self.base, variables=merged)
 
     def text_generation(self, sampling: Any = None, variables: Mapping[str, Any] | None = None) -> Any:

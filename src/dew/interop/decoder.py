@@ -36,9 +36,11 @@ from dew.interop.families.llama import Weight
 from dew.interop.safetensors_io import SINGLE_FILE, open_checkpoint, save_file
 from dew.nn.adapters import LoRADecoder
 from dew.nn.backbones.causal_transformer import CausalTransformer
+from dew.nn.moe import BALANCE_COLLECTION
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+MTP_COLLECTION = "mtp"  # multi-token prediction layers: read, held frozen and written back, never run
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -109,10 +111,31 @@ def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
     return traverse_util.unflatten_dict(dict(flat), sep="/")
 
 
+def _flat_weights(variables: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint-backed variables flat: params by their path (``layers_0/mlp/gate``), the
+    routers' balancing bias under its collection (``balance/layers_1/mlp/score_bias``), as the
+    weight tables name them. Other collections (a DPO reference, router records) are not weights."""
+    flat = _flat(variables["params"])
+    for path, value in _flat(variables.get(BALANCE_COLLECTION, {})).items():
+        flat[f"{BALANCE_COLLECTION}/{path}"] = value
+    return flat
+
+
+def _weight_variables(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """`_flat_weights` (with any ``mtp/`` entries) back to a variables mapping."""
+    variables = {"params": {}}
+    for path, value in flat.items():
+        collection, _, inner = path.partition("/")
+        if collection not in (BALANCE_COLLECTION, MTP_COLLECTION):
+            collection, inner = "params", path
+        variables.setdefault(collection, {})[inner] = value
+    return {collection: _nested(tree) for collection, tree in variables.items()}
+
+
 def _expected_params(model: CausalTransformer) -> dict[str, jax.ShapeDtypeStruct]:
-    """Every param path of ``model`` with its shape and dtype, computed without allocating."""
+    """Every weight path of ``model`` (`_flat_weights`) with its shape and dtype, computed without allocating."""
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    return _flat(meta.unbox(abstract)["params"])
+    return _flat_weights(meta.unbox(abstract))
 
 
 def _layered(model: CausalTransformer) -> CausalTransformer:
@@ -120,30 +143,42 @@ def _layered(model: CausalTransformer) -> CausalTransformer:
     return model.clone(scan_layers=False, remat=None) if model.scan_layers else model
 
 
+def _split_collection(path: str) -> tuple[str, str]:
+    """A flat weight path as (its collection prefix, the path inside the collection)."""
+    prefix = f"{BALANCE_COLLECTION}/"
+    return (prefix, path[len(prefix):]) if path.startswith(prefix) else ("", path)
+
+
 def _stack_layers(flat: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """``layers_{i}/...`` entries -> ``layers/...`` with the layer index as the leading axis."""
-    out = {path: value for path, value in flat.items() if not path.startswith("layers_")}
-    for rest in [p.split("/", 1)[1] for p in flat if p.startswith("layers_0/")]:
-        out[f"layers/{rest}"] = jnp.stack([flat[f"layers_{i}/{rest}"] for i in range(num_layers)])
+    out = {path: value for path, value in flat.items() if not _split_collection(path)[1].startswith("layers_")}
+    for prefix, inner in map(_split_collection, flat):
+        if inner.startswith("layers_0/"):
+            rest = inner.split("/", 1)[1]
+            out[f"{prefix}layers/{rest}"] = jnp.stack([flat[f"{prefix}layers_{i}/{rest}"] for i in range(num_layers)])
     return out
 
 
 def _unstack_layers(flat: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    out = {path: value for path, value in flat.items() if not path.startswith("layers/")}
+    out = {path: value for path, value in flat.items() if not _split_collection(path)[1].startswith("layers/")}
     for path, value in flat.items():
-        if path.startswith("layers/"):
-            rest = path.split("/", 1)[1]
+        prefix, inner = _split_collection(path)
+        if inner.startswith("layers/"):
+            rest = inner.split("/", 1)[1]
             for i in range(num_layers):
-                out[f"layers_{i}/{rest}"] = value[i]
+                out[f"{prefix}layers_{i}/{rest}"] = value[i]
     return out
 
 
-def _weight_names(family: ModuleType, model: CausalTransformer,
-                  expected: Mapping[str, Any]) -> list[Weight]:
-    """The family's table expanded over the layers, keeping the tensors this model has."""
+def _weight_names(family: ModuleType, model: CausalTransformer, expected: Mapping[str, Any], *,
+                  layers: Any = None, complete: bool = True) -> list[Weight]:
+    """The family's table expanded over the layers, keeping the tensors this model has (``layers``:
+    only those layers' tensors; ``complete``: check every expected param is named)."""
     names = []
     for weight in family.WEIGHTS:
-        indices = range(model.num_layers) if "{i}" in weight.dew else [None]
+        if layers is not None and "{i}" not in weight.dew:
+            continue
+        indices = (range(model.num_layers) if layers is None else layers) if "{i}" in weight.dew else [None]
         for i in indices:
             dew = weight.dew.format(i=i) if i is not None else weight.dew
             if dew not in expected:
@@ -153,11 +188,43 @@ def _weight_names(family: ModuleType, model: CausalTransformer,
                 names.append(Weight(weight.hf.format(i=i, e=e), dew, weight.transpose, e))
     covered = {w.dew for w in names}
     uncovered = sorted(set(expected) - covered)
-    if uncovered:  # a table that misses a param is a bug in the family, not in the checkpoint
+    if uncovered and complete:  # a table that misses a param is a bug in the family, not in the checkpoint
         raise NotImplementedError(
             f"the {family.MODEL_TYPE} weight table has no checkpoint name for params {uncovered[:5]}"
         )
     return names
+
+
+def _mtp_names(family: ModuleType, model: CausalTransformer, expected: Mapping[str, Any],
+               k: int) -> tuple[list[Weight], dict[str, tuple[int, ...]]]:
+    """Multi-token prediction layer ``k``'s tensors (`families.deepseek_v3.MTP_WEIGHTS`, and a
+    decoder layer named as the model's last is) with their flat paths ``mtp/layers_{k}/...`` and shapes."""
+    last, index = model.num_layers - 1, model.num_layers + k
+    where = f"{MTP_COLLECTION}/layers_{k}"
+    hidden, vocab = expected["embed_tokens/embedding"].shape[::-1]
+    names, shapes = [], {}
+    for weight in family.MTP_WEIGHTS:
+        dew = weight.dew
+        names.append(Weight(weight.hf.format(i=index), f"{where}/{dew}", weight.transpose))
+        shapes[f"{where}/{dew}"] = family.mtp_shapes(hidden, vocab)[dew]
+    block_names = _weight_names(family, model, expected, layers=[last], complete=False)
+    for weight in block_names:
+        inner = _split_collection(weight.dew)[1].split("/", 1)[1]  # the path inside the last layer
+        path = f"{where}/block/{inner}"
+        names.append(Weight(weight.hf.replace(f"model.layers.{last}.", f"model.layers.{index}.", 1), path,
+                            weight.transpose, weight.expert))
+        shapes[path] = tuple(expected[weight.dew].shape)
+    return names, shapes
+
+
+def _mtp_present(family: ModuleType, model: CausalTransformer, config: Mapping[str, Any], checkpoint: Any) -> int:
+    """How many multi-token prediction layers the checkpoint holds (config.json may name more)."""
+    if not hasattr(family, "MTP_WEIGHTS"):
+        return 0
+    layers = 0
+    while layers < family.mtp_layers(config) and family.MTP_MARKER.format(i=model.num_layers + layers) in checkpoint:
+        layers += 1
+    return layers
 
 
 def _hf_shape(weight: Weight, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -181,13 +248,17 @@ def _describe(config: Mapping[str, Any]) -> str:
 def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
                  config: Mapping[str, Any], param_dtype: Any,
                  fp8_scales: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
-    """The params from the checkpoint's tensors; FP8 block weights are dequantized and their scales
+    """The variables (params, and the balancing bias) from the checkpoint's tensors; FP8 block weights are dequantized and their scales
     kept in ``fp8_scales`` (by weight name) for `PretrainedDecoder.save`."""
     checkpoint = codecs.DecodedCheckpoint(open_checkpoint(directory), str(directory))  # MXFP4 pairs decoded
     quantization = fp8_blocks.BlockQuantization.from_config(config)
     layered = _layered(model)
     expected = _expected_params(layered)
     names = _weight_names(family, layered, expected)
+    for k in range(_mtp_present(family, layered, config, checkpoint)):
+        mtp_names, mtp_shapes = _mtp_names(family, layered, expected, k)
+        names += mtp_names
+        expected = {**expected, **{path: jax.ShapeDtypeStruct(shape, jnp.float32) for path, shape in mtp_shapes.items()}}
     wanted = {w.hf for w in names}
 
     def ignorable(name: str) -> bool:
@@ -229,12 +300,13 @@ def _read_params(directory: Path, family: ModuleType, model: CausalTransformer,
         if weight.expert is not None:
             experts.setdefault(weight.dew, []).append(np.asarray(array, dtype=dtype))
             continue
-        flat[weight.dew] = jnp.asarray(np.asarray(array, dtype=dtype))
+        kept = np.float32 if weight.dew.endswith("/score_bias") else dtype  # the balancing bias stays float32
+        flat[weight.dew] = jnp.asarray(np.asarray(array, dtype=kept))
     for path, slices in experts.items():  # the table lists a param's experts in order
         flat[path] = jnp.asarray(np.stack(slices))
     if model.scan_layers:
         flat = _stack_layers(flat, model.num_layers)
-    return _nested(flat)
+    return _weight_variables(flat)
 
 
 def _dequantized(checkpoint: Any, name: str, values: np.ndarray, quantization: Any, directory: Path,
@@ -257,16 +329,17 @@ def _dequantized(checkpoint: Any, name: str, values: np.ndarray, quantization: A
     return fp8_blocks.dequantize(values, scale, quantization.block, name)
 
 
-def _check_params(model: CausalTransformer, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Flat params after checking them against the model's own tree (names and shapes)."""
+def _check_params(model: CausalTransformer, variables: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat weights (`_flat_weights`) after checking them against the model's own tree (names and shapes)."""
     expected = _expected_params(model)
-    flat = _flat(params)
+    flat = _flat_weights(variables)
     missing = sorted(set(expected) - set(flat))
     unexpected = sorted(set(flat) - set(expected))
     if missing or unexpected:
         raise ValueError(
             f"the variables do not fit the model: missing params {missing[:8]}, unexpected params "
-            f"{unexpected[:8]}. Pass the variables trained with this model (state.variables)"
+            f"{unexpected[:8]}. Pass the variables trained with this model (state.variables: its 'params' "
+            f"and, for routers with a balancing bias, '{BALANCE_COLLECTION}')"
         )
     for path, spec in expected.items():
         if tuple(np.shape(flat[path])) != tuple(spec.shape):
@@ -343,7 +416,9 @@ class PretrainedDecoder(Pretrained):
 
     Attributes:
       model: the CausalTransformer.
-      variables: ``{"params": ...}`` (plain arrays).
+      variables: ``{"params": ...}`` (plain arrays), with the routers' balancing bias in
+        ``"balance"`` for a model that has one (DeepSeek-V3's ``e_score_correction_bias``) and its
+        multi-token prediction layers in ``"mtp"`` when the checkpoint holds them (frozen, saved back).
       tokenizer: an HFTokenizer when the directory holds tokenizer.json, else None.
       config: the Hugging Face config.json as a dict.
       generation_config: generation_config.json as a dict, or None.
@@ -404,7 +479,7 @@ class PretrainedDecoder(Pretrained):
         model = CausalTransformer(**kwargs, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
                                   remat=remat, attention_impl=attention_impl)
         fp8_scales: dict[str, np.ndarray] = {}
-        params = _read_params(path, family, model, config, param_dtype, fp8_scales)
+        variables = _read_params(path, family, model, config, param_dtype, fp8_scales)
         packed = codecs.DecodedCheckpoint(open_checkpoint(path), str(path))
         packed_scales = {name: packed.scales(name) for name in packed.packed} or None
 
@@ -412,7 +487,7 @@ class PretrainedDecoder(Pretrained):
         if (path / TOKENIZER_FILE).is_file():
             tokenizer = HFTokenizer(path)
             _check_tokenizer(tokenizer, model.vocab_size, f"in {path}")
-        return cls(model=model, variables={"params": params}, tokenizer=tokenizer, config=config,
+        return cls(model=model, variables=variables, tokenizer=tokenizer, config=config,
                    generation_config=_read_json(path / GENERATION_CONFIG_FILE), source=_source_name(directory),
                    packed_scales=packed_scales, fp8_scales=fp8_scales or None)
 
@@ -460,7 +535,9 @@ class PretrainedDecoder(Pretrained):
         if ema and state.ema is None:
             raise ValueError(f"ema=True asks for {run}'s moving-average weights, but the run keeps no EMA copy; pass ema=False (dew export --live).")
         variables = state.averaged if ema else state.variables
-        variables = {name: value for name, value in variables.items() if name == "params"}  # never a DPO reference
+        # the weights alone: never a DPO reference
+        variables = {name: value for name, value in variables.items()
+                     if name in ("params", BALANCE_COLLECTION, MTP_COLLECTION)}
         sampling = saved.config.sampling
         generation_config = None
         if sampling is not None:
@@ -593,7 +670,9 @@ class PretrainedDecoder(Pretrained):
             got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
             raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
         config = self.export_config()  # raises before anything is written
-        tensors = self._hf_tensors(meta.unbox(variables["params"]), dtype, config)
+        tensors = self._hf_tensors(meta.unbox(dict(variables)), dtype, config)
+        if "num_nextn_predict_layers" in config:  # the multi-token prediction layers written, if any
+            config["num_nextn_predict_layers"] = len(variables.get(MTP_COLLECTION, {}))
         if self.packed_scales:
             tensors = codecs.pack_mxfp4_tensors(tensors, sorted(self.packed_scales), self.packed_scales)
         float_dtypes = {str(t.dtype) for t in tensors.values() if np.issubdtype(t.dtype, np.floating)
@@ -612,11 +691,41 @@ class PretrainedDecoder(Pretrained):
                 self.tokenizer.save(staging)
         return dest
 
-    def _hf_tensors(self, params: Mapping[str, Any], dtype: Any,
+    def _mtp_tensors(self, variables: Mapping[str, Any], family: ModuleType, layered: CausalTransformer,
+                     dtype: Any) -> dict[str, np.ndarray]:
+        """The multi-token prediction layers of ``variables["mtp"]``, by checkpoint name (none without)."""
+        held = _flat(variables.get(MTP_COLLECTION, {}))
+        if not held:
+            return {}
+        if not hasattr(family, "MTP_WEIGHTS"):
+            raise ValueError(f"the variables hold multi-token prediction layers, which {family.MODEL_TYPE} "
+                             "checkpoints do not have; drop variables['mtp'] to export the causal LM alone")
+        layers = len({path.split("/", 1)[0] for path in held})
+        expected = _expected_params(layered)
+        tensors, read = {}, set()
+        for k in range(layers):
+            for weight in _mtp_names(family, layered, expected, k)[0]:
+                path = weight.dew.split("/", 1)[1]
+                if path not in held:
+                    raise ValueError(f"variables['mtp'] has no {path!r}; pass the mtp collection the bundle was loaded with")
+                read.add(path)
+                array = np.asarray(jax.device_get(held[path]))
+                if weight.expert is not None:
+                    array = array[weight.expert]
+                if weight.transpose:
+                    array = array.T
+                if dtype is not None and (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
+                    array = array.astype(jnp.dtype(dtype))
+                tensors[weight.hf] = np.ascontiguousarray(array)
+        if set(held) - read:
+            raise ValueError(f"variables['mtp'] holds {sorted(set(held) - read)[:4]}, which no checkpoint tensor names")
+        return tensors
+
+    def _hf_tensors(self, variables: Mapping[str, Any], dtype: Any,
                     config: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Checkpoint name -> host array, by the export family's table."""
         model = self.model
-        flat = _check_params(model, params)
+        flat = _check_params(model, variables)
         if model.scan_layers:
             flat = _unstack_layers(flat, model.num_layers)
         layered = _layered(model)
@@ -631,6 +740,7 @@ class PretrainedDecoder(Pretrained):
             if dtype is not None and (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
                 array = array.astype(jnp.dtype(dtype))
             tensors[weight.hf] = np.ascontiguousarray(array)
+        tensors.update(self._mtp_tensors(variables, family, layered, dtype))
         quantization = fp8_blocks.BlockQuantization.from_config(config)
         if self.fp8_scales and quantization is not None:  # back to FP8 blocks, as the checkpoint was read
             for name, scale in self.fp8_scales.items():

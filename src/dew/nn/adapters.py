@@ -324,8 +324,9 @@ class LoRADecoder:
     def init(self, key: jax.Array, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Fresh variables: the decoder's own init as the base, fresh factors over it."""
         base_key, factor_key = jax.random.split(key)
-        base = self.model.init(base_key, *args, **kwargs)["params"]
-        return {"params": self.init_factors(base, factor_key), "base": base}
+        variables = self.model.init(base_key, *args, **kwargs)
+        base = variables["params"]
+        return {**variables, "params": self.init_factors(base, factor_key), "base": base}
 
     def init_factors(self, params: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
         """Fresh factors for the decoder's ``params``, one key per target (with the kernels' logical
@@ -357,13 +358,14 @@ class LoRADecoder:
     def apply(self, variables: Mapping[str, Any], *args: Any, rngs: Any = None, **kwargs: Any) -> Any:
         """The decoder's forward pass with the adapters; takes and returns what the decoder does."""
         base, factors = _split(variables)
+        others = model_collections(variables)
         if getattr(self.model, "scan_layers", False):
             merged = merge(base, factors, self.lora.scaling, self.experts)
-            return self.model.apply({"params": merged}, *args, **kwargs)
+            return self.model.apply({**others, "params": merged}, *args, **kwargs)
         if self.experts:  # expert parameters are folded; the projections get the low-rank path below
             base = merge(base, factors, self.lora.scaling, self.experts, dense=False)
         with nn.intercept_methods(self._add_low_rank_path):
-            return self.model.apply({"params": base, "lora": factors}, *args, rngs=rngs, **kwargs)
+            return self.model.apply({**others, "params": base, "lora": factors}, *args, rngs=rngs, **kwargs)
 
     def _add_low_rank_path(self, next_fun, args, kwargs, context):
         """Flax interceptor: an adapted ``nn.Dense`` returns ``x W + b + scaling * dropout(x) A B``."""
@@ -382,14 +384,21 @@ class LoRADecoder:
         return y + (x.astype(y.dtype) @ a @ b) * jnp.asarray(self.lora.scaling, y.dtype)
 
     def base_variables(self, variables: Mapping[str, Any]) -> dict[str, Any]:
-        """The decoder's own variables with the adapter off: ``{"params": the frozen base}``."""
-        return {"params": _split(variables)[0]}
+        """The decoder's own variables with the adapter off: ``{"params": the frozen base}`` (and its
+        other collections, such as the routers' balancing bias)."""
+        return {**model_collections(variables), "params": _split(variables)[0]}
 
     def merge(self, variables: Mapping[str, Any]) -> dict[str, Any]:
         """The decoder's own variables with the factors folded in: ``W + scaling * A B`` per target,
         in the base's dtype (so a bfloat16 base rounds the sum)."""
         base, factors = _split(variables)
-        return {"params": merge(base, factors, self.lora.scaling, self.experts)}
+        return {**model_collections(variables), "params": merge(base, factors, self.lora.scaling, self.experts)}
+
+
+def model_collections(variables: Mapping[str, Any]) -> dict[str, Any]:
+    """The decoder's collections beside its weights (the routers' balancing bias, which a training
+    step may move): everything but the factors, the base and the adapter's own ``lora``."""
+    return {name: value for name, value in variables.items() if name not in ("params", "base", "lora")}
 
 
 def _split(variables: Mapping[str, Any]) -> tuple[Any, Any]:

@@ -10,7 +10,11 @@ DeepSeek-V3 (arXiv:2412.19437, section 2.1.2) scores by ``sigmoid(x @ gate)`` in
 experts by the scores plus a per-expert bias (``score_bias``, the auxiliary-loss-free balancing
 bias): the bias only selects, the chosen experts are weighted by their unbiased scores. With
 ``groups`` > 1 the experts are split into equal groups, each group is rated by the sum of its two
-best biased scores, and only the experts of the ``group_top_k`` best groups can be chosen.
+best biased scores, and only the experts of the ``group_top_k`` best groups can be chosen. The bias
+is not a parameter: it lives in the ``balance`` collection, no gradient reaches it and no optimizer
+holds it, and the auxiliary-loss-free balancing rule moves it after each step
+(`balanced_score_bias`: ``bias_e += rate * sign(mean_load - load_e)``), so an overloaded expert
+is chosen less often.
 
 GPT-OSS's experts differ in three ways, each a setting: a bias on the router (``router_bias``) and
 on every expert projection (``expert_bias``); the clamped SwiGLU (``activation="clamped_swiglu"``),
@@ -64,6 +68,7 @@ from dew.nn import expert_parallel
 
 INIT_STD = 0.02
 ROUTER_COLLECTION = "router"
+BALANCE_COLLECTION = "balance"  # the balancing bias, moved by a rule rather than by the optimizer
 SCORES = ("softmax", "sigmoid")
 GROUP_RATING_EXPERTS = 2  # a group is rated by the sum of its best two biased scores (DeepSeek-V3)
 DISPATCHES = ("global", "exchange")
@@ -90,8 +95,9 @@ class Mixture(nn.Module):
       expert_features: each expert's SwiGLU hidden width.
       num_layers: the model's depth, for GPT-2's scaled init of the output projections.
       score: how router logits become scores ("softmax", or DeepSeek's "sigmoid").
-      score_bias: a per-expert bias (param ``score_bias``) added to the scores to choose the
-        experts but not to weight them (DeepSeek's e_score_correction_bias). No gradient reaches it.
+      score_bias: a per-expert bias (``score_bias`` in the ``balance`` collection) added to the
+        scores to choose the experts but not to weight them (DeepSeek's e_score_correction_bias).
+        No gradient reaches it; `balanced_score_bias` moves it.
       groups: split the experts into this many equal groups (DeepSeek's n_group).
       group_top_k: choose experts only from this many best groups (DeepSeek's topk_group).
       normalize_top_k: divide the k chosen scores by their sum (Mixtral; Qwen's norm_topk_prob).
@@ -212,9 +218,14 @@ class Mixture(nn.Module):
             probs = jax.nn.sigmoid(logits)
         choice = probs
         if self.score_bias:
-            bias = self.param("score_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-                              (self.num_experts,), jnp.float32)
-            choice = probs + jax.lax.stop_gradient(bias)  # moved by a balancing rule, not by the loss
+            if not self.is_initializing() and not self.has_variable(BALANCE_COLLECTION, "score_bias"):
+                raise ValueError(
+                    f"this router chooses experts with a balancing bias, but the variables hold no "
+                    f"{BALANCE_COLLECTION!r} collection with its score_bias; pass every collection the model "
+                    f"was initialized or loaded with (e.g. {{**bundle.variables, 'params': ...}}), not 'params' alone"
+                )
+            bias = self.variable(BALANCE_COLLECTION, "score_bias", jnp.zeros, (self.num_experts,), jnp.float32)
+            choice = probs + jax.lax.stop_gradient(bias.value)  # moved by a balancing rule, not by the loss
         if self.group_top_k is not None and self.group_top_k < self.groups:
             choice = self._keep_best_groups(choice)
         _, experts = jax.lax.top_k(choice, self.top_k)
@@ -489,3 +500,27 @@ def router_metrics(collection: Mapping[str, Any]) -> dict[str, jax.Array]:
     if "dropped" in sums:
         metrics["dropped"] = sums["dropped"]
     return metrics
+
+
+def balanced_score_bias(balance: Mapping[str, Any], collection: Mapping[str, Any], rate: float) -> dict[str, Any]:
+    """Every mixture layer's ``score_bias`` after one step of the auxiliary-loss-free balancing rule.
+
+    DeepSeek-V3 (arXiv:2412.19437, section 2.1.2): ``bias_e += rate * sign(mean_e(load) - load_e)``,
+    ``load_e`` the tokens routed to expert ``e`` by that layer in the step (its ``expert_tokens``
+    in the ``router`` collection ``collection``, which sits at the same module path as the bias),
+    so an underloaded expert's bias rises and an overloaded one's falls. A scanned stack's bias
+    ``[layers, E]`` moves per layer. ``balance`` is the ``balance`` collection.
+    """
+    recorded = traverse_util.flatten_dict(dict(collection)) if collection else {}
+    moved = {}
+    for path, bias in traverse_util.flatten_dict(dict(balance)).items():
+        counts = recorded.get(path[:-1] + ("expert_tokens",))
+        if path[-1] != "score_bias" or counts is None:
+            raise ValueError(
+                f"the balance collection's {'/'.join(path)} has no expert_tokens recorded beside it in the "
+                "router collection; apply the model with mutable=['router'] in the step that moves the bias"
+            )
+        load = sum(jnp.asarray(c, jnp.float32) for c in (counts if isinstance(counts, tuple) else (counts,)))
+        mean = jnp.mean(load, axis=-1, keepdims=True)
+        moved[path] = bias + jnp.asarray(rate, bias.dtype) * jnp.sign(mean - load).astype(bias.dtype)
+    return traverse_util.unflatten_dict(moved)

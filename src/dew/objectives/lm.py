@@ -21,7 +21,7 @@ import numpy as np
 
 from dew.checks import count
 from dew.inference.text import TextGeneration
-from dew.nn.moe import ROUTER_COLLECTION, router_metrics
+from dew.nn.moe import BALANCE_COLLECTION, ROUTER_COLLECTION, balanced_score_bias, router_metrics
 from dew.objectives.base import Aux, Field, InputSpec, Objective, inference_variables
 from dew.sampling.text import Sampling, generate
 from dew.tracking.records import Artifact
@@ -103,6 +103,14 @@ class LMObjective(Objective):
     ``router/balance``, ``router/z`` and ``router/expert_{e}_tokens``) are logged, and
     ``balance_coef * balance + z_loss_coef * z`` is added to the loss (both 0 by default;
     transformers' Mixtral and Qwen-MoE train with ``router_aux_loss_coef=0.001``).
+
+    ``bias_update_rate`` (gamma) turns on DeepSeek-V3's auxiliary-loss-free balancing for a model
+    whose routers carry a ``score_bias`` (the ``balance`` collection): each training step moves
+    every layer's bias by ``gamma * sign(mean_load - load_e)`` from the tokens that layer routed in
+    the step (`dew.nn.moe.balanced_score_bias`), returned as an updated collection that the trainer
+    writes into the state (so checkpoints hold it; it gets no gradient and no optimizer state).
+    With gradient accumulation the rule runs once per microbatch. DeepSeek-V3 trained with
+    gamma = 0.001 for most of its tokens.
     """
 
     def __init__(
@@ -117,13 +125,16 @@ class LMObjective(Objective):
         tokenizer: Any = None,
         balance_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        bias_update_rate: float = 0.0,
     ):
         model, variables, tokenizer = decoder_parts(model, seq_len, variables, tokenizer)
-        for name, value in (("balance_coef", balance_coef), ("z_loss_coef", z_loss_coef)):
+        for name, value in (("balance_coef", balance_coef), ("z_loss_coef", z_loss_coef),
+                            ("bias_update_rate", bias_update_rate)):
             if not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0; got {value!r}")
         self.balance_coef = float(balance_coef)
         self.z_loss_coef = float(z_loss_coef)
+        self.bias_update_rate = float(bias_update_rate)
         self.model = model
         self.seq_len = seq_len
         self.variables = variables
@@ -136,7 +147,8 @@ class LMObjective(Objective):
     def settings(self) -> dict[str, Any]:
         """What a run record keeps to rebuild this objective around its model."""
         settings = {"seq_len": self.seq_len, "loss_role": self.loss_role, "ema_decay": self.ema_decay,
-                    "balance_coef": self.balance_coef, "z_loss_coef": self.z_loss_coef}
+                    "balance_coef": self.balance_coef, "z_loss_coef": self.z_loss_coef,
+                    "bias_update_rate": self.bias_update_rate}
         if self.samples is not None:  # the preview's policy and budget, prompt as ids (the run keeps the tokenizer)
             settings["samples"] = dataclasses.replace(self.samples, prompt=self.samples.prompt_ids(), tokenizer=None)
         return settings
@@ -171,6 +183,11 @@ class LMObjective(Objective):
 
     def token_losses_and_routing(self, variables, batch, key=None):
         """`token_losses` and the router's metrics (empty for a model without mixture layers)."""
+        losses, mask, recorded = self.token_losses_and_router(variables, batch, key)
+        return losses, mask, router_metrics(recorded)
+
+    def token_losses_and_router(self, variables, batch, key=None):
+        """`token_losses` and the ``router`` collection the pass recorded (its per-layer counts)."""
         tokens = batch["text"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         kwargs = {}
@@ -189,17 +206,29 @@ class LMObjective(Objective):
         logits, recorded = self.model.apply(variables, inputs, mutable=[ROUTER_COLLECTION], **kwargs)
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         losses = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-        return losses, mask, router_metrics(recorded.get(ROUTER_COLLECTION, {}))
+        return losses, mask, recorded.get(ROUTER_COLLECTION, {})
 
     def loss(self, variables, batch, step):
-        losses, mask, routing = self.token_losses_and_routing(variables, batch, None if step is None else step.key)
+        losses, mask, recorded = self.token_losses_and_router(variables, batch, None if step is None else step.key)
+        routing = router_metrics(recorded)
         tokens = jnp.sum(mask)
         loss = jnp.sum(losses * mask) / jnp.maximum(tokens, 1.0)
         metrics = {"tokens": tokens}
         if routing:
             metrics.update({f"router/{name}": value for name, value in routing.items()}, cross_entropy=loss)
             loss = loss + self.balance_coef * routing["balance"] + self.z_loss_coef * routing["z"]
-        return loss, Aux(metrics=metrics)
+        changed = {}
+        if self.bias_update_rate > 0:
+            if BALANCE_COLLECTION not in variables:
+                raise ValueError(
+                    f"bias_update_rate={self.bias_update_rate} moves the routers' balancing bias, but the model's "
+                    f"variables have no {BALANCE_COLLECTION!r} collection (collections: {sorted(variables)}); "
+                    "build the mixture layers with score='sigmoid', score_bias=True (DeepSeek-V3's router) or "
+                    "leave bias_update_rate at 0"
+                )
+            changed[BALANCE_COLLECTION] = balanced_score_bias(variables[BALANCE_COLLECTION], recorded,
+                                                              self.bias_update_rate)
+        return loss, Aux(metrics=metrics, variables=changed)
 
     def evaluate(self, variables, batch, step):
         losses, mask = self.token_losses(variables, batch)

@@ -10,6 +10,7 @@ progress at their intervals.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -138,12 +139,16 @@ class Trainer:
         names = mesh_lib.logical_names(boxed)
         if held is not None and not any(n is not None for n in jax.tree_util.tree_leaves(names, is_leaf=_is_names)):
             # Held weights (a loaded checkpoint) are plain arrays: take the logical axis names from
-            # a fresh init of the same objective, when it has the same structure.
+            # a fresh init of the same objective, collection by collection where the structure is
+            # the same (a held collection init does not make, such as a checkpoint's multi-token
+            # prediction layers, keeps no names).
             fresh = mesh_lib.logical_names(jax.eval_shape(self._init_variables, self.key, None))
-            if jax.tree_util.tree_structure(fresh, is_leaf=_is_names) == jax.tree_util.tree_structure(
-                names, is_leaf=_is_names
-            ):
-                names = fresh
+            structure = functools.partial(jax.tree_util.tree_structure, is_leaf=_is_names)
+            names = type(names)({
+                collection: fresh[collection]
+                if collection in fresh and structure(fresh[collection]) == structure(tree) else tree
+                for collection, tree in names.items()
+            })
         variables = mesh_lib.unbox(boxed)
         variable_shardings = mesh_lib.tree_shardings(variables, names, self.layout, self.mesh)
         params = variables["params"]

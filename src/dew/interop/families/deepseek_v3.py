@@ -9,9 +9,15 @@ SwiGLU MLP (``intermediate_size``); the others a mixture (`dew.nn.moe.Mixture`):
 ``e_score_correction_bias`` choose ``num_experts_per_tok`` of ``n_routed_experts`` experts from the
 ``topk_group`` best of ``n_group`` groups, the chosen unbiased scores are renormalized
 (``norm_topk_prob``) and scaled by ``routed_scaling_factor``, and ``n_shared_experts`` shared experts
-(one SwiGLU ``n_shared_experts * moe_intermediate_size`` wide) see every token. The multi-token
-prediction layers a release carries after the last layer (``num_nextn_predict_layers``) are not
-part of the causal LM and are skipped, as transformers skips them.
+(one SwiGLU ``n_shared_experts * moe_intermediate_size`` wide) see every token.
+
+The multi-token prediction layers a release carries after the last layer
+(``model.layers.{num_hidden_layers + k}.*``, ``num_nextn_predict_layers`` of them) are not part of
+the causal LM (transformers does not build them): they are read into the ``mtp`` collection, frozen
+(no gradient, no optimizer state), and written back by ``save``. Layer k holds ``enorm``, ``hnorm``,
+``eh_proj`` (``[2 * hidden, hidden]``, Dew's layout), ``embed_tokens``, ``shared_head/norm``,
+``shared_head/head`` and ``block``: a decoder layer shaped like the model's last, with its router's
+``score_bias`` inside (DeepSeek-V3, arXiv:2412.19437, section 2.2).
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ WEIGHTS: tuple[Weight, ...] = tuple(w for w in llama.WEIGHTS if ".self_attn." no
     *_linear("self_attn.kv_b_proj"),
     *_linear("self_attn.o_proj"),
     Weight("model.layers.{i}.mlp.gate.weight", "layers_{i}/mlp/gate", True),
-    Weight("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers_{i}/mlp/score_bias"),
+    # a buffer in transformers, moved by the balancing rule: the "balance" collection in Dew
+    Weight("model.layers.{i}.mlp.gate.e_score_correction_bias", "balance/layers_{i}/mlp/score_bias"),
     _expert("gate_proj"),
     _expert("up_proj"),
     _expert("down_proj"),
@@ -63,9 +70,30 @@ IGNORED_SUFFIXES = llama.IGNORED_SUFFIXES
 ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
 
-def ignored(name: str, config: Mapping[str, Any]) -> bool:
-    """The multi-token prediction layers stored after the last decoder layer."""
-    return name.startswith(f"model.layers.{int(config['num_hidden_layers'])}.")
+# A multi-token prediction layer's own tensors ({i}: its index in the checkpoint, after the last layer);
+# its decoder layer is named by WEIGHTS, as the model's last layer is.
+MTP_WEIGHTS: tuple[Weight, ...] = (
+    Weight("model.layers.{i}.enorm.weight", "enorm/scale"),
+    Weight("model.layers.{i}.hnorm.weight", "hnorm/scale"),
+    Weight("model.layers.{i}.eh_proj.weight", "eh_proj/kernel", True),
+    Weight("model.layers.{i}.embed_tokens.weight", "embed_tokens/embedding"),
+    Weight("model.layers.{i}.shared_head.norm.weight", "shared_head/norm/scale"),
+    Weight("model.layers.{i}.shared_head.head.weight", "shared_head/head/kernel", True),
+)
+MTP_MARKER = "model.layers.{i}.eh_proj.weight"  # a checkpoint holds layer k when it holds this tensor
+
+
+def mtp_shapes(hidden: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of `MTP_WEIGHTS` in Dew's layout: the two norms, the projection of the
+    concatenated ``[norm(embedding), norm(hidden)]`` back to the width, and the head's embedding and output."""
+    return {"enorm/scale": (hidden,), "hnorm/scale": (hidden,), "eh_proj/kernel": (2 * hidden, hidden),
+            "embed_tokens/embedding": (vocab, hidden), "shared_head/norm/scale": (hidden,),
+            "shared_head/head/kernel": (hidden, vocab)}
+
+
+def mtp_layers(config: Mapping[str, Any]) -> int:
+    """How many multi-token prediction layers config.json says the checkpoint may hold."""
+    return int(config.get("num_nextn_predict_layers") or 0)
 
 
 def _check_routing(config: Mapping[str, Any]) -> None:

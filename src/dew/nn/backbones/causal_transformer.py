@@ -39,7 +39,7 @@ from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_pl
 from dew.nn import kv_pages
 from dew.nn.kv_cache import KVCache, check_layout, init_kv_cache, write_kv, write_positions
 from dew.nn.kv_quant import check_head_dim
-from dew.nn.moe import ROUTER_COLLECTION, Mixture
+from dew.nn.moe import BALANCE_COLLECTION, ROUTER_COLLECTION, Mixture
 from dew.nn.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 from dew.nn.sequence_parallel import split_length, token_rows
 from dew.nn.sequence_parallel import attention as sequence_attention
@@ -599,7 +599,7 @@ class CausalTransformer(nn.Module):
         static_window, layer_windows = self._layer_windows(plan)
         scanned = nn.scan(
             block_cls,
-            variable_axes={"params": 0, ROUTER_COLLECTION: 0},
+            variable_axes={"params": 0, ROUTER_COLLECTION: 0, BALANCE_COLLECTION: 0},
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
             length=self.num_layers,
