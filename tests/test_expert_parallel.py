@@ -50,8 +50,12 @@ def _loss_and_grads(layer, params, rows, split):
     """The layer's output, routing record and the gradients of ``sum(out^2)`` (params, rows), jitted
     under `split` (None: one device, no split)."""
 
+    # collections besides the params (DeepSeek's 'balance' score_bias), as initialized
+    held = {name: value for name, value in nn.unbox(layer.init(jax.random.key(1), rows)).items()
+            if name not in ("params", "router")}
+
     def loss(params, rows):
-        out, recorded = layer.apply({"params": params}, rows, mutable=["router"])
+        out, recorded = layer.apply({**held, "params": params}, rows, mutable=["router"])
         return jnp.sum(out**2), (out, recorded["router"])
 
     def run(params, rows):
