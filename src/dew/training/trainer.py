@@ -329,8 +329,6 @@ class Trainer:
         only repeat each other's work."""
         split = mesh_lib.sequence_split(self.mesh, self.layout)
         stages = self.mesh_spec.stage_split(self.mesh)
-        if stages is not None and split is not None and split.size == 1:
-            split = None  # stages lay out their microbatches themselves
         with splitting(split) as split_lengths, staging(stages) as staged:
             yield
         if split is not None and split.size > 1 and not split_lengths:
