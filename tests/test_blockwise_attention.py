@@ -46,9 +46,12 @@ def values_and_gradients(attention, q, k, v, cotangent, sinks, **rules):
     def loss(q, k, v, sinks):
         return jnp.sum(attention(q, k, v, sinks=sinks, **rules) * cotangent)
 
-    out = attention(q, k, v, sinks=sinks, **rules)
-    grads = jax.grad(loss, argnums=(0, 1, 2) if sinks is None else (0, 1, 2, 3))(q, k, v, sinks)
-    return (out, *grads)
+    @jax.jit
+    def run(q, k, v, sinks):
+        grads = jax.grad(loss, argnums=(0, 1, 2) if sinks is None else (0, 1, 2, 3))(q, k, v, sinks)
+        return (attention(q, k, v, sinks=sinks, **rules), *grads)
+
+    return run(q, k, v, sinks)
 
 
 def reference(q, k, v, **rules):

@@ -39,9 +39,9 @@ from dew.nn.kv_quant import Quantized, rotate
 
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "blockwise")
 
-# "auto" runs "blockwise" off a GPU from this many keys on. On XLA:CPU the one-shot kernel is a few
-# percent faster at 2048 keys and 1.4x slower at 8192 (forward and backward, docs/scaling.md), where
-# its scores already take gigabytes.
+# "auto" runs "blockwise" off a GPU from this many keys on. On XLA:CPU neither kernel is reliably
+# faster below a few thousand keys; at 8192 the one-shot kernel's scores take gigabytes and it is
+# the slower one (forward and backward, docs/scaling.md).
 BLOCKWISE_MIN_KEYS = 8192
 # queries and keys per block of "blockwise": one block's float32 scores per head are 1 MiB
 BLOCKWISE_BLOCK = 512
@@ -255,7 +255,7 @@ def dot_product_attention(
     self-attention shorthand for equal ``q_segment_ids`` and ``kv_segment_ids``. ``mask`` is an
     extra boolean mask broadcastable to ``[B, N, T, S]``, combined with the rules above.
     ``scale`` defaults to ``1 / sqrt(H)``. ``sinks [N]``: each head's sink logit (no fused kernel
-    takes one, so a call with sinks runs "reference" or, otherwise, `head_major_attention`).
+    takes one, so a call with sinks runs "reference", "blockwise" or, otherwise, `head_major_attention`).
     """
     check_attention_impl(impl)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -377,9 +377,8 @@ def blockwise_attention(
 
     Queries go in blocks of `block` (a `lax.map`), and each block runs an online softmax over blocks
     of `block` keys (a `lax.scan`: a running maximum, sum and weighted sum of values, rescaled as
-    the maximum grows; Milakov & Gimelshein 2018, arXiv:1805.02867; `block` defaults to
-    `BLOCKWISE_BLOCK`), so only one block's scores
-    exist at a time. The backward pass (a `jax.custom_vjp`) keeps the inputs, the output and each
+    the maximum grows; Milakov & Gimelshein 2018, arXiv:1805.02867), so only one block's scores
+    exist at a time; `block` defaults to `BLOCKWISE_BLOCK`. The backward pass (a `jax.custom_vjp`) keeps the inputs, the output and each
     query's log-sum-exp, and recomputes each block's scores, as FlashAttention does (Dao et al.
     2022, arXiv:2205.14135). Scores, softmax and sums are float32, as in `reference_attention`,
     masked keys score ``finfo.min`` as there (a query that may see no key averages them all), and a
@@ -488,9 +487,15 @@ def _unblocks(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
+def _key_blocks(shape: _BlockShape, kh, vh):
+    """Keys and values ``[B, K, S, H]`` as blocks ``[S / bk, B, K, bk, H]``, with each block's index."""
+    blocks = kh.shape[2] // shape.kv_block
+    return _blocks(kh, 2, shape.kv_block), _blocks(vh, 2, shape.kv_block), jnp.arange(blocks)
+
+
 def _blockwise_forward(shape: _BlockShape, qh, kh, vh, rules):
     """Output ``[B, K, G, T, H]`` and each query's log-sum-exp ``[B, K, G, T]``, both float32."""
-    kv_blocks = (_blocks(kh, 2, shape.kv_block), _blocks(vh, 2, shape.kv_block), jnp.arange(kh.shape[2] // shape.kv_block))
+    kv_blocks = _key_blocks(shape, kh, vh)
 
     def query_block(args):
         q_blk, q_index = args
@@ -534,8 +539,8 @@ def _blockwise_bwd(shape, residuals, cotangents):
     qh, kh, vh, rules, out, lse = residuals
     d_out, d_lse = cotangents
     d_out = d_out.astype(jnp.float32)
-    # [B, K, G, T]: what each row's softmax normalization takes from every score's gradient (a
-    # score moves the log-sum-exp by its weight, which the lse's own cotangent gives back)
+    # [B, K, G, T]: what the softmax's normalization takes from each of a row's score gradients,
+    # out . d_out, less the log-sum-exp's own cotangent (a score moves the lse by its weight)
     row_dot = jnp.sum(d_out * out, axis=-1) - d_lse.astype(jnp.float32)
     q_blocks, lse_blocks = _blocks(qh, 3, shape.q_block), _blocks(lse, 3, shape.q_block)
     d_out_blocks, row_dot_blocks = _blocks(d_out, 3, shape.q_block), _blocks(row_dot, 3, shape.q_block)
@@ -562,7 +567,7 @@ def _blockwise_bwd(shape, residuals, cotangents):
         (d_k, d_v, d_q), _ = jax.lax.scan(query_block, (zeros, zeros, d_q), jnp.arange(q_blocks.shape[0]))
         return d_q, (d_k, d_v)
 
-    kv_blocks = (_blocks(kh, 2, shape.kv_block), _blocks(vh, 2, shape.kv_block), jnp.arange(kh.shape[2] // shape.kv_block))
+    kv_blocks = _key_blocks(shape, kh, vh)
     d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros_like(q_blocks, jnp.float32), kv_blocks)
     d_rules = jax.tree_util.tree_map(lambda _: None, rules)
     return (_unblocks(d_q, 3).astype(qh.dtype), _unblocks(d_k, 2).astype(kh.dtype), _unblocks(d_v, 2).astype(vh.dtype),
