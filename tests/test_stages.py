@@ -1,6 +1,8 @@
 """The stage axis: a decoder's layer stack as GPipe stages over microbatches trains as one device does,
 with weights and optimizer state replicated over the stages and the stages handing activations on."""
 
+import re
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ from dew.nn.backbones.layer_plan import LayerKind
 from dew.nn.gpipe import StageSplit, staging
 from dew.objectives.lm import LMObjective
 from dew.training import Layout
+from dew.training import mesh as mesh_lib
 
 VOCAB = 128
 BATCH = {"text": np.random.default_rng(0).integers(0, VOCAB, (8, 17)).astype(np.int32)}
@@ -101,3 +104,35 @@ def test_stages_save_activation_memory_not_parameter_memory():
     assert two.activations < 0.8 * one.activations  # each device keeps its own layers' activations
     assert two.collectives["collective-permute"].count > 0  # each tick hands a stage's output to the next
     assert one.collectives["collective-permute"].count == 0
+
+
+# sizes chosen so no activation shape coincides with a weight's: 8 rows of 32 positions, width 48, 96 tokens
+ROWS, LENGTH, WIDTH, TOKENS = 8, 32, 48, 96
+
+
+def compiled_stage_step(mesh):
+    model = CausalTransformer(vocab_size=TOKENS, emb_features=WIDTH, num_layers=4, num_heads=4, mlp_features=80,
+                              max_seq_len=64, scan_layers=True, remat="full")
+    t = Trainer(LMObjective(model, seq_len=LENGTH), optax.adam(1e-3), key=jax.random.key(0), mesh=mesh,
+                layout=Layout(min_shard=1))
+    shape = (ROWS, LENGTH + 1)
+    shapes = {"text": jax.ShapeDtypeStruct(shape, np.int32, sharding=t._batch_sharding(shape))}
+    return t.compiled_step().lower(t._abstract_with_shardings(), shapes).compile().as_text()
+
+
+def unsplit_rows(hlo, rows):
+    """Activation shapes in `hlo` holding any of `rows` token rows at the model's width: ``[..., rows, L, W]``
+    or flattened ``[rows * L, W]``."""
+    shapes = set(re.findall(r"f32\[[0-9,]+\]", hlo))
+    whole = {f"[{r},{LENGTH},{WIDTH}]" for r in rows} | {f"[{r * LENGTH},{WIDTH}]" for r in rows}
+    return {s for s in shapes if any(s.endswith(w) or s.endswith(w.replace("[", ",")) for w in whole)}
+
+
+def test_stage_steps_keep_each_microbatchs_rows_split_over_the_batch_axes(monkeypatch):
+    # stage=2 x fsdp=4, 2 microbatches of 4 rows: each device holds 2 of the batch's rows, 1 of a microbatch's.
+    mesh = MeshSpec(stage=2, fsdp=4, microbatches=2)
+    whole = (ROWS, ROWS // 2)  # the batch's rows, a microbatch's rows
+    assert not unsplit_rows(compiled_stage_step(mesh), whole)
+    # negative control: without the row pins the pipeline's microbatches are whole on every device
+    monkeypatch.setattr(mesh_lib, "sequence_split", lambda mesh, layout: None)
+    assert unsplit_rows(compiled_stage_step(mesh), whole)

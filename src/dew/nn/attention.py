@@ -18,12 +18,15 @@ then sum to less than one, so a head can attend to nothing (Xiao et al. 2023, ar
 The kernel is a separate choice (``impl``) and never changes the result beyond rounding, nor any
 parameter: "reference" is a float32 einsum and softmax written out below, "xla" and "cudnn" go
 through `jax.nn.dot_product_attention` ("xla" on a CPU through `head_major_attention`, the same
-computation in the operand layout XLA:CPU runs fastest), and "auto" picks one per call
+computation in the operand layout XLA:CPU runs fastest), "blockwise" (`blockwise_attention`) never
+holds a whole ``[queries, keys]`` score matrix, forward or backward, and "auto" picks one per call
 (`resolve_attention_impl`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
 from typing import Any
 
@@ -34,7 +37,14 @@ import numpy as np
 from dew.checks import count, one_of
 from dew.nn.kv_quant import Quantized, rotate
 
-ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "blockwise")
+
+# "auto" runs "blockwise" off a GPU from this many keys on. On XLA:CPU neither kernel is reliably
+# faster below a few thousand keys; at 8192 the one-shot kernel's scores take gigabytes and it is
+# the slower one (forward and backward, docs/scaling.md).
+BLOCKWISE_MIN_KEYS = 8192
+# queries and keys per block of "blockwise": one block's float32 scores per head are 1 MiB
+BLOCKWISE_BLOCK = 512
 
 # matmul precisions that ask for more than the default (bf16 passes on GPU/TPU)
 _HIGH_PRECISIONS = ("high", "highest", "float32", "tensorfloat32", "bfloat16_3x")
@@ -88,8 +98,9 @@ def resolve_attention_impl(
     precision: Any = None,
     cudnn_mask_ok: bool = True,
     device: Any = None,
+    kv_len: int | None = None,
 ) -> str:
-    """The kernel a call with these properties runs: "reference", "xla" or "cudnn".
+    """The kernel a call with these properties runs: "reference", "xla", "cudnn" or "blockwise".
 
     An explicit ``impl`` is returned unchanged. For "auto" the order is:
 
@@ -99,7 +110,9 @@ def resolve_attention_impl(
     2. "cudnn" on an NVIDIA GPU of sm80 or newer, for bf16/fp16 inputs whose head_dim cuDNN's
        flash kernel takes (a multiple of 8, at most 128) and whose mask it can express
        (``cudnn_mask_ok``: causal/window/lengths, no segment ids, no arbitrary mask).
-    3. "xla" otherwise.
+    3. "blockwise" off a GPU when ``kv_len`` reaches `BLOCKWISE_MIN_KEYS`, where XLA would
+       materialize scores the size of queries times keys.
+    4. "xla" otherwise.
 
     ``device`` defaults to the first device of the default backend; tests pass a stand-in object
     with ``platform`` and ``compute_capability`` attributes.
@@ -120,6 +133,8 @@ def resolve_attention_impl(
         head_dim_ok = head_dim is None or (head_dim % 8 == 0 and head_dim <= 128)
         if head_dim_ok and cudnn_mask_ok:
             return "cudnn"
+    if getattr(device, "platform", None) != "gpu" and kv_len is not None and kv_len >= BLOCKWISE_MIN_KEYS:
+        return "blockwise"
     return "xla"
 
 
@@ -240,7 +255,7 @@ def dot_product_attention(
     self-attention shorthand for equal ``q_segment_ids`` and ``kv_segment_ids``. ``mask`` is an
     extra boolean mask broadcastable to ``[B, N, T, S]``, combined with the rules above.
     ``scale`` defaults to ``1 / sqrt(H)``. ``sinks [N]``: each head's sink logit (no fused kernel
-    takes one, so a call with sinks runs "reference" or, otherwise, `head_major_attention`).
+    takes one, so a call with sinks runs "reference", "blockwise" or, otherwise, `head_major_attention`).
     """
     check_attention_impl(impl)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -275,7 +290,7 @@ def dot_product_attention(
         and (window is None or isinstance(window, int)) and (causal or window is None) and sinks is None
     )
     kernel = resolve_attention_impl(
-        impl, dtype=q.dtype, head_dim=head_dim, precision=precision, cudnn_mask_ok=cudnn_mask_ok
+        impl, dtype=q.dtype, head_dim=head_dim, precision=precision, cudnn_mask_ok=cudnn_mask_ok, kv_len=kv_len
     )
 
     if kernel == "cudnn" and cudnn_mask_ok:
@@ -286,6 +301,12 @@ def dot_product_attention(
             implementation="cudnn",
         )
 
+    if kernel == "blockwise":
+        return blockwise_attention(
+            q, k, v, q_positions=q_positions, kv_positions=kv_positions, causal=causal, window=window,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths, mask=mask,
+            scale=scale, precision=precision, sinks=sinks,
+        )
     masked = causal or window is not None or q_segment_ids is not None or kv_lengths is not None
     full_mask = None
     if masked or mask is not None:
@@ -332,6 +353,228 @@ def head_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     out = jnp.einsum("bkts,bksh->bkth", weights, v.transpose(0, 2, 1, 3))
     out = out.reshape(batch, kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, heads, head_dim)
+
+
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    causal: bool,
+    window: int | jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    scale: float,
+    precision: Any = None,
+    sinks: jax.Array | None = None,
+    block: int | None = None,
+) -> jax.Array:
+    """The "blockwise" kernel: `dot_product_attention`'s result without a ``[queries, keys]`` score matrix.
+
+    Queries go in blocks of `block` (a `lax.map`), and each block runs an online softmax over blocks
+    of `block` keys (a `lax.scan`: a running maximum, sum and weighted sum of values, rescaled as
+    the maximum grows; Milakov & Gimelshein 2018, arXiv:1805.02867), so only one block's scores
+    exist at a time; `block` defaults to `BLOCKWISE_BLOCK`. The backward pass (a `jax.custom_vjp`) keeps the inputs, the output and each
+    query's log-sum-exp, and recomputes each block's scores, as FlashAttention does (Dao et al.
+    2022, arXiv:2205.14135). Scores, softmax and sums are float32, as in `reference_attention`,
+    masked keys score ``finfo.min`` as there (a query that may see no key averages them all), and a
+    sink rescales the output by its share of the softmax afterwards (outside the custom gradient, so
+    JAX differentiates it, and sums its gradient over the devices a `shard_map` splits queries over).
+    """
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    block = BLOCKWISE_BLOCK if block is None else count(block, "block")
+    q_block, kv_block = min(block, q_len), min(block, kv_len)
+    q_pad, kv_pad = -q_len % q_block, -kv_len % kv_block
+
+    def pad(x, axis, extra):  # lengths up to whole blocks; padded keys are masked out below
+        return x if extra == 0 else jnp.pad(x, [(0, extra) if d == axis else (0, 0) for d in range(x.ndim)])
+
+    # [B, T, N, H] -> [B, K, G, T, H]: a key/value head's query heads next to each other
+    qh = pad(q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4), 3, q_pad)
+    kh, vh = (pad(x.transpose(0, 2, 1, 3), 2, kv_pad) for x in (k, v))  # [B, K, S, H]
+    rules = {
+        "q_positions": pad(jnp.atleast_2d(q_positions), 1, q_pad),
+        "kv_positions": pad(jnp.atleast_2d(kv_positions), 1, kv_pad),
+        "window": None if window is None else jnp.asarray(window, jnp.int32),
+        "q_segment_ids": None if q_segment_ids is None else pad(jnp.atleast_2d(q_segment_ids), 1, q_pad),
+        "kv_segment_ids": None if kv_segment_ids is None else pad(jnp.atleast_2d(kv_segment_ids), 1, kv_pad),
+        "kv_lengths": None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
+        "mask": None if mask is None else _head_grouped_mask(mask, heads, kv_heads, q_pad, kv_pad),
+    }
+    shape = _BlockShape(causal=causal, scale=scale, q_block=q_block, kv_block=kv_block, kv_len=kv_len,
+                        precision=precision)
+    out, lse = _blockwise(shape, qh, kh, vh, rules)
+    if sinks is not None:  # the sink joins each softmax as one more column, with no value
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, groups)[None, :, :, None]
+        out = out * jnp.exp(lse - jnp.logaddexp(lse, sink))[..., None]
+    out = out[..., :q_len, :]
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+
+
+def _head_grouped_mask(mask: jax.Array, heads: int, kv_heads: int, q_pad: int, kv_pad: int) -> jax.Array:
+    """An extra mask broadcastable to ``[B, N, T, S]`` as ``[B or 1, K or 1, G or 1, T or 1, S or 1]``,
+    its lengths padded to whole blocks."""
+    mask = jnp.asarray(mask, bool)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if mask.shape[1] == 1:
+        mask = mask[:, :, None]
+    else:
+        mask = jnp.broadcast_to(mask, mask.shape[:1] + (heads,) + mask.shape[2:])
+        mask = mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:])
+    for axis, extra in ((3, q_pad), (4, kv_pad)):
+        if mask.shape[axis] > 1 and extra:
+            mask = jnp.pad(mask, [(0, extra) if d == axis else (0, 0) for d in range(5)])
+    return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockShape:
+    """The static settings of one blockwise call (hashable: `jax.custom_vjp` takes it as static)."""
+
+    causal: bool
+    scale: float
+    q_block: int
+    kv_block: int
+    kv_len: int  # keys before padding to whole blocks
+    precision: Any = None
+
+
+def _block_scores(shape: _BlockShape, rules: dict, q_blk, k_blk, q_index, kv_index):
+    """The float32 scores ``[B, K, G, bq, bk]`` of query block `q_index` against key block
+    `kv_index`, and where the rules let a query see a key (True) or the key is only padding."""
+    q_start, kv_start = q_index * shape.q_block, kv_index * shape.kv_block
+    take = lambda x, start, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)  # noqa: E731
+    segments = {}
+    if rules["q_segment_ids"] is not None:
+        segments = dict(q_segment_ids=take(rules["q_segment_ids"], q_start, shape.q_block),
+                        kv_segment_ids=take(rules["kv_segment_ids"], kv_start, shape.kv_block))
+    allowed = attention_mask(
+        take(rules["q_positions"], q_start, shape.q_block), take(rules["kv_positions"], kv_start, shape.kv_block),
+        causal=shape.causal, window=rules["window"], **segments,
+    )[:, :, None]  # [B or 1, 1, 1, bq, bk]
+    slots = kv_start + jnp.arange(shape.kv_block)
+    if rules["kv_lengths"] is not None:
+        allowed &= (slots[None, :] < rules["kv_lengths"][:, None])[:, None, None, None, :]
+    extra = rules["mask"]
+    if extra is not None:
+        if extra.shape[3] > 1:
+            extra = jax.lax.dynamic_slice_in_dim(extra, q_start, shape.q_block, axis=3)
+        if extra.shape[4] > 1:
+            extra = jax.lax.dynamic_slice_in_dim(extra, kv_start, shape.kv_block, axis=4)
+        allowed &= extra
+    scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk.astype(jnp.float32), k_blk.astype(jnp.float32),
+                        precision=shape.precision) * jnp.float32(shape.scale)
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    real = slots < shape.kv_len  # padding past the last key takes no share of any softmax
+    return jnp.where(real, scores, -jnp.inf), allowed & real
+
+
+def _blocks(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """``x`` cut along `axis` into blocks of `size`, the block index moved to the front."""
+    x = x.reshape(x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _unblocks(x: jax.Array, axis: int) -> jax.Array:
+    """The inverse of `_blocks`: the leading block index merged back into `axis`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _key_blocks(shape: _BlockShape, kh, vh):
+    """Keys and values ``[B, K, S, H]`` as blocks ``[S / bk, B, K, bk, H]``, with each block's index."""
+    blocks = kh.shape[2] // shape.kv_block
+    return _blocks(kh, 2, shape.kv_block), _blocks(vh, 2, shape.kv_block), jnp.arange(blocks)
+
+
+def _blockwise_forward(shape: _BlockShape, qh, kh, vh, rules):
+    """Output ``[B, K, G, T, H]`` and each query's log-sum-exp ``[B, K, G, T]``, both float32."""
+    kv_blocks = _key_blocks(shape, kh, vh)
+
+    def query_block(args):
+        q_blk, q_index = args
+        # running maximum and sum per query; `*_like` keeps the queries' device variance in a shard_map
+        total = jnp.zeros_like(q_blk[..., 0], jnp.float32)
+        top = total - jnp.inf
+
+        def key_block(carry, blk):
+            top, total, acc = carry
+            k_blk, v_blk, kv_index = blk
+            scores, _ = _block_scores(shape, rules, q_blk, k_blk, q_index, kv_index)
+            new_top = jnp.maximum(top, scores.max(-1))
+            weights = jnp.exp(scores - new_top[..., None])
+            rescale = jnp.exp(top - new_top)
+            acc = acc * rescale[..., None] + jnp.einsum("bkgqs,bksh->bkgqh", weights, v_blk.astype(jnp.float32),
+                                                        precision=shape.precision)
+            return (new_top, total * rescale + weights.sum(-1), acc), None
+
+        acc = jnp.zeros_like(q_blk, jnp.float32)
+        (top, total, acc), _ = jax.lax.scan(key_block, (top, total, acc), kv_blocks)
+        return acc / total[..., None], top + jnp.log(total)
+
+    q_blocks = (_blocks(qh, 3, shape.q_block), jnp.arange(qh.shape[3] // shape.q_block))
+    out, lse = jax.lax.map(query_block, q_blocks)
+    return _unblocks(out, 3), _unblocks(lse, 3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blockwise(shape: _BlockShape, qh, kh, vh, rules):
+    return _blockwise_forward(shape, qh, kh, vh, rules)
+
+
+def _blockwise_fwd(shape, qh, kh, vh, rules):
+    out, lse = _blockwise_forward(shape, qh, kh, vh, rules)
+    return (out, lse), (qh, kh, vh, rules, out, lse)
+
+
+def _blockwise_bwd(shape, residuals, cotangents):
+    """Gradients from each block's recomputed scores: for every key block, a pass over the query
+    blocks that adds to that block's key and value gradients and to the queries' gradient."""
+    qh, kh, vh, rules, out, lse = residuals
+    d_out, d_lse = cotangents
+    d_out = d_out.astype(jnp.float32)
+    # [B, K, G, T]: what the softmax's normalization takes from each of a row's score gradients,
+    # out . d_out, less the log-sum-exp's own cotangent (a score moves the lse by its weight)
+    row_dot = jnp.sum(d_out * out, axis=-1) - d_lse.astype(jnp.float32)
+    q_blocks, lse_blocks = _blocks(qh, 3, shape.q_block), _blocks(lse, 3, shape.q_block)
+    d_out_blocks, row_dot_blocks = _blocks(d_out, 3, shape.q_block), _blocks(row_dot, 3, shape.q_block)
+    einsum = functools.partial(jnp.einsum, precision=shape.precision)
+
+    def key_block(d_q, blk):
+        k_blk, v_blk, kv_index = blk
+        k32, v32 = k_blk.astype(jnp.float32), v_blk.astype(jnp.float32)
+
+        def query_block(carry, q_index):
+            d_k, d_v, d_q = carry
+            q_blk = q_blocks[q_index]
+            scores, allowed = _block_scores(shape, rules, q_blk, k_blk, q_index, kv_index)
+            weights = jnp.exp(scores - lse_blocks[q_index][..., None])
+            d_v = d_v + einsum("bkgqs,bkgqh->bksh", weights, d_out_blocks[q_index])
+            d_weights = einsum("bkgqh,bksh->bkgqs", d_out_blocks[q_index], v32)
+            d_scores = jnp.where(allowed, weights * (d_weights - row_dot_blocks[q_index][..., None]), 0.0)
+            d_scores = d_scores * jnp.float32(shape.scale)
+            d_q = d_q.at[q_index].add(einsum("bkgqs,bksh->bkgqh", d_scores, k32))
+            d_k = d_k + einsum("bkgqs,bkgqh->bksh", d_scores, q_blk.astype(jnp.float32))
+            return (d_k, d_v, d_q), None
+
+        zeros = jnp.zeros_like(k_blk, jnp.float32)
+        (d_k, d_v, d_q), _ = jax.lax.scan(query_block, (zeros, zeros, d_q), jnp.arange(q_blocks.shape[0]))
+        return d_q, (d_k, d_v)
+
+    kv_blocks = _key_blocks(shape, kh, vh)
+    d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros_like(q_blocks, jnp.float32), kv_blocks)
+    d_rules = jax.tree_util.tree_map(lambda _: None, rules)
+    return (_unblocks(d_q, 3).astype(qh.dtype), _unblocks(d_k, 2).astype(kh.dtype), _unblocks(d_v, 2).astype(vh.dtype),
+            d_rules)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def cache_attention(

@@ -9,6 +9,11 @@ devices). The weights keep their one layout (``[layers, ...]``) and stay replica
 axis; each device reads its own slice of them, so stages save activation memory, not parameter
 memory.
 
+Microbatch ``m`` takes every ``microbatches``-th row from row ``m``, so a batch split over the batch
+axes cuts into microbatches on each device without moving rows; inside the loop every buffer keeps
+its rows over the batch axes (`sequence_parallel.row_axes`), and the stage dimension stays on the
+stage axis through the layers' own row pins (`vmap`'s `spmd_axis_name`).
+
 A training step that runs stages enters `staging(StageSplit(...))` while it traces the model;
 outside that context `current()` is None and a model runs its layers the usual way.
 """
@@ -24,6 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dew.nn.sequence_parallel import row_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +56,22 @@ class StageSplit:
                 f"{self.microbatches}."
             )
 
-    def constrain(self, tree: Any) -> Any:
-        """Pin the leading (stage) dimension of every leaf of `tree` to the stage axis."""
-        if self.mesh is None or self.mesh.shape[self.axis] == 1:
+    @property
+    def spmd_axis(self) -> str | None:
+        """The mesh axis a stage dimension lies on (None without a mesh)."""
+        return None if self.mesh is None else self.axis
+
+    def constrain(self, tree: Any, *, stage: bool = True, rows: bool = False) -> Any:
+        """Pin every leaf of `tree`: its leading dimension to the stage axis (`stage`) or to none,
+        and with `rows` its second dimension, a microbatch's rows, to the axes the step splits
+        token rows over; other dimensions are left to XLA."""
+        if self.mesh is None:
             return tree
 
         def pin(leaf):
-            spec = PartitionSpec(self.axis, *([PartitionSpec.UNCONSTRAINED] * (leaf.ndim - 1)))
+            second = [row_axes(leaf.shape[1])] if rows else []
+            free = [PartitionSpec.UNCONSTRAINED] * (leaf.ndim - 1 - len(second))
+            spec = PartitionSpec(self.axis if stage else None, *second, *free)
             return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
 
         return jax.tree_util.tree_map(pin, tree)
@@ -120,10 +136,13 @@ def run_stages(
     staged = split.constrain(
         jax.tree_util.tree_map(lambda w: w.reshape((stages, per_stage) + w.shape[1:]), weights)
     )
-    by_micro = lambda a: a.reshape((micro, a.shape[0] // micro) + a.shape[1:])  # noqa: E731
+    # Microbatch m is rows m, m + micro, ...: each device's rows cut into microbatches in place.
+    by_micro = lambda a: jnp.swapaxes(a.reshape((a.shape[0] // micro, micro) + a.shape[1:]), 0, 1)  # noqa: E731
     inputs = (by_micro(x), jax.tree_util.tree_map(lambda a: by_micro(jnp.asarray(a)), rows))
+    inputs = split.constrain(inputs, stage=False, rows=True)
     # What each stage works on: activations and rows of one microbatch (zeros before the pipe fills).
     slots = jax.tree_util.tree_map(lambda a: jnp.zeros((stages,) + a.shape[1:], a.dtype), inputs)
+    run_all = jax.vmap(run_stage, spmd_axis_name=split.spmd_axis)  # the layers' row pins keep the stage axis
 
     def tick(carry, t):
         slots, outputs = carry
@@ -131,15 +150,15 @@ def run_stages(
         # again once all have entered: its results are never read).
         entering = jax.tree_util.tree_map(lambda a: a[jnp.minimum(t, micro - 1)], inputs)
         slots = jax.tree_util.tree_map(lambda s, e: jnp.roll(s, 1, axis=0).at[0].set(e), slots, entering)
-        slots = split.constrain(slots)
+        slots = split.constrain(slots, rows=True)
         h, slot_rows = slots
-        h = split.constrain(jax.vmap(run_stage)(staged, h, slot_rows))
+        h = split.constrain(run_all(staged, h, slot_rows), rows=True)
         # The last stage finished microbatch t - (stages - 1); earlier ticks write slot 0, which
         # that microbatch overwrites later.
         done = jnp.maximum(t - (stages - 1), 0)
         outputs = jax.lax.dynamic_update_index_in_dim(outputs, h[stages - 1], done, axis=0)
-        return ((h, slot_rows), outputs), None
+        return ((h, slot_rows), split.constrain(outputs, stage=False, rows=True)), None
 
     outputs = jnp.zeros_like(inputs[0])
     (_, outputs), _ = jax.lax.scan(tick, (slots, outputs), jnp.arange(micro + stages - 1))
-    return outputs.reshape(x.shape)
+    return jnp.swapaxes(outputs, 0, 1).reshape(x.shape)

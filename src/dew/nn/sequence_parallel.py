@@ -129,6 +129,12 @@ def active() -> SequenceSplit | None:
     return split if split is not None and split.size > 1 else None
 
 
+def row_axes(rows: int) -> Any:
+    """The mesh axes the step being traced splits `rows` token rows over (None: none, or no split)."""
+    split = _ACTIVE.get()[0]
+    return None if split is None else split.batch_spec(rows)
+
+
 def split_length(x: jax.Array) -> jax.Array:
     """``x [batch, length, ...]`` constrained to rows over the batch axes and positions over the sequence axis.
 

@@ -337,8 +337,6 @@ class Trainer:
         split = mesh_lib.sequence_split(self.mesh, self.layout)
         stages = self.mesh_spec.stage_split(self.mesh)
         experts = mesh_lib.expert_split(self.mesh)
-        if stages is not None and split is not None and split.size == 1:
-            split = None  # stages lay out their microbatches themselves
         with splitting(split) as split_lengths, staging(stages) as staged, exchanging(experts) as mixtures:
             yield
         if experts is not None and not mixtures:

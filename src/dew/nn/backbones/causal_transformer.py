@@ -321,7 +321,7 @@ class CausalTransformer(nn.Module):
         `dew.nn.backbones.latent_attention`: ``kv_lora_rank``, ``qk_nope_head_dim``,
         ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank``, ``rope_interleave``), or None for
         grouped-query attention; its KV cache holds each token's latent and shared rope key.
-      attention_impl: "auto", "reference", "xla" or "cudnn"; never changes the parameters.
+      attention_impl: "auto", "reference", "xla", "cudnn" or "blockwise"; never changes the parameters.
       scan_layers: run the layers with nn.scan (params stacked under ``layers/``).
       remat: None, "full", "minimal" or "save_qkv_proj"; "minimal_offloaded" and
         "save_qkv_proj_offloaded" keep the same residuals in pinned host memory.

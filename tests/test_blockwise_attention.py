@@ -1,0 +1,168 @@
+"""The "blockwise" attention kernel: the reference kernel's values and gradients for every mask rule,
+without a [queries, keys] score matrix in the compiled forward or backward pass; "auto" takes it for
+long keys off a GPU only; the sequence-parallel paths run it."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import MeshSpec
+from dew.nn import attention, sequence_parallel
+from dew.nn.attention import BLOCKWISE_MIN_KEYS, blockwise_attention, dot_product_attention, resolve_attention_impl
+from dew.nn.sequence_parallel import SequenceSplit, splitting
+from dew.training import mesh as mesh_lib
+
+# 37 queries and keys in blocks of 8: five blocks each, the last padded; 4 query heads over 2 kv heads
+BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 2, 37, 4, 2, 8, 8
+SEGMENTS = np.repeat(np.stack([[0, 1, 2], [0, 1, 1]]), [10, 15, 12], axis=1).astype(np.int32)
+SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+
+
+def tensors(seed=0, q_len=LENGTH, kv_len=LENGTH):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (BATCH, q_len, HEADS, HEAD_DIM)),
+            jax.random.normal(keys[1], (BATCH, kv_len, KV_HEADS, HEAD_DIM)),
+            jax.random.normal(keys[2], (BATCH, kv_len, KV_HEADS, HEAD_DIM)),
+            jax.random.normal(keys[3], (BATCH, q_len, HEADS, HEAD_DIM)))
+
+
+def blockwise(q, k, v, *, causal=True, window=None, segment_ids=None, kv_lengths=None, mask=None, sinks=None,
+              q_positions=None):
+    """`blockwise_attention` with blocks of BLOCK, positions and rules spelled as dot_product_attention's."""
+    kv_positions = jnp.arange(k.shape[1])
+    q_positions = kv_positions[k.shape[1] - q.shape[1]:] if q_positions is None else q_positions
+    return blockwise_attention(
+        q, k, v, q_positions=q_positions, kv_positions=kv_positions, causal=causal, window=window,
+        q_segment_ids=segment_ids, kv_segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask,
+        scale=HEAD_DIM ** -0.5, sinks=sinks, block=BLOCK,
+    )
+
+
+def values_and_gradients(attention, q, k, v, cotangent, sinks, **rules):
+    """The output and the gradients of <output, cotangent> in q, k, v (and the sinks, when given)."""
+    def loss(q, k, v, sinks):
+        return jnp.sum(attention(q, k, v, sinks=sinks, **rules) * cotangent)
+
+    @jax.jit
+    def run(q, k, v, sinks):
+        grads = jax.grad(loss, argnums=(0, 1, 2) if sinks is None else (0, 1, 2, 3))(q, k, v, sinks)
+        return (attention(q, k, v, sinks=sinks, **rules), *grads)
+
+    return run(q, k, v, sinks)
+
+
+def reference(q, k, v, **rules):
+    return dot_product_attention(q, k, v, impl="reference", **rules)
+
+
+RULES = {
+    "causal": dict(causal=True),
+    "bidirectional": dict(causal=False),
+    "window": dict(causal=True, window=5),
+    "traced-window": dict(causal=True, window=jnp.asarray(5)),
+    "segments": dict(causal=True, segment_ids=SEGMENTS),
+    "window+segments": dict(causal=True, window=4, segment_ids=SEGMENTS),
+    "lengths": dict(causal=False, kv_lengths=jnp.asarray([20, 37])),
+    "key-mask": dict(causal=False, mask=jnp.asarray(np.arange(LENGTH) % 3 != 1)[None, None, None, :]),
+}
+
+
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("rules", list(RULES.values()), ids=list(RULES))
+def test_blockwise_gives_the_reference_values_and_gradients(rules, sinks):
+    q, k, v, cotangent = tensors()
+    sinks = None if sinks is None else jnp.asarray(sinks)
+    got = values_and_gradients(blockwise, q, k, v, cotangent, sinks, **rules)
+    want = values_and_gradients(reference, q, k, v, cotangent, sinks, **rules)
+    for name, g, w in zip(("output", "dq", "dk", "dv", "dsinks"), got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=name)
+
+
+def test_blockwise_is_checked_against_rules_that_matter():
+    """Negative controls: the comparison above fails when a rule is dropped, or a block misplaced."""
+    q, k, v, cotangent = tensors()
+    want = reference(q, k, v, causal=True, window=4, segment_ids=SEGMENTS, sinks=jnp.asarray(SINKS))
+    for wrong in (dict(causal=True, segment_ids=SEGMENTS, sinks=jnp.asarray(SINKS)),  # no window
+                  dict(causal=True, window=4, sinks=jnp.asarray(SINKS)),  # no segments
+                  dict(causal=True, window=4, segment_ids=SEGMENTS)):  # no sinks
+        assert np.abs(blockwise(q, k, v, **wrong) - want).max() > 1e-2
+    shifted = blockwise(q, k, v, causal=True, window=4, segment_ids=SEGMENTS, sinks=jnp.asarray(SINKS),
+                        q_positions=jnp.arange(LENGTH) + 1)  # each query one position late
+    assert np.abs(shifted - want).max() > 1e-2
+
+
+def test_blockwise_takes_fewer_queries_than_keys_and_a_per_head_mask():
+    q, k, v, cotangent = tensors(seed=1, q_len=11, kv_len=LENGTH)  # queries at the last 11 positions
+    per_head = jax.random.bernoulli(jax.random.key(5), 0.7, (BATCH, HEADS, 11, LENGTH)).at[..., 0].set(True)
+    for rules in (dict(causal=True, window=6), dict(causal=False, mask=per_head)):
+        got = values_and_gradients(blockwise, q, k, v, cotangent, None, **rules)
+        want = values_and_gradients(reference, q, k, v, cotangent, None, **rules)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5)
+    swapped = per_head[:, ::-1]  # negative control: the heads' masks reversed
+    assert np.abs(blockwise(q, k, v, causal=False, mask=swapped) - want[0]).max() > 1e-2
+
+
+def test_blockwise_through_dot_product_attention_in_bfloat16():
+    q, k, v, _ = (x.astype(jnp.bfloat16) for x in tensors(seed=2))
+    got = dot_product_attention(q, k, v, causal=True, segment_ids=SEGMENTS, impl="blockwise")
+    assert got.dtype == jnp.bfloat16
+    want = dot_product_attention(q, k, v, causal=True, segment_ids=SEGMENTS, impl="reference")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def scratch_bytes(impl, length):
+    """XLA's temporary bytes for the gradient of one call at `length` queries and keys (compiled only)."""
+    q = jax.ShapeDtypeStruct((1, length, HEADS, 64), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, KV_HEADS, 64), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, causal=True, impl=impl))  # noqa: E731
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_backward_never_holds_the_scores():
+    length = 8192
+    scores = HEADS * length * length * 4  # one float32 [queries, keys] matrix per head: 1 GiB
+    assert scratch_bytes("blockwise", length) < scores / 16  # a few blocks' scores: 4 MiB each
+    # negative control: the one-shot kernel's gradient holds at least the scores
+    assert scratch_bytes("xla", length) > scores
+
+
+def test_auto_takes_blockwise_for_long_keys_off_a_gpu():
+    cpu, gpu = SimpleNamespace(platform="cpu"), SimpleNamespace(platform="gpu", compute_capability="9.0")
+    tpu = SimpleNamespace(platform="tpu")
+    long, short = BLOCKWISE_MIN_KEYS, BLOCKWISE_MIN_KEYS - 1
+    assert resolve_attention_impl("auto", kv_len=long, device=cpu) == "blockwise"
+    assert resolve_attention_impl("auto", kv_len=long, device=tpu) == "blockwise"
+    assert resolve_attention_impl("auto", kv_len=short, device=cpu) == "xla"
+    assert resolve_attention_impl("auto", kv_len=long, device=gpu) == "xla"  # float32: XLA's GPU kernel
+    assert resolve_attention_impl("auto", kv_len=long, dtype=jnp.bfloat16, head_dim=64, device=gpu) == "cudnn"
+    assert resolve_attention_impl("auto", kv_len=long, dtype=jnp.float64, device=cpu) == "reference"
+    assert resolve_attention_impl("blockwise", kv_len=8, device=gpu) == "blockwise"
+
+
+@pytest.mark.parametrize("exchange", ["ulysses", "gather"])
+def test_sequence_parallel_attention_runs_blockwise_on_both_paths(exchange, monkeypatch):
+    """On 4 sequence devices each device's blockwise call (whole length for Ulysses, its queries at
+    their global positions against all keys for the gather) gives plain attention's values and gradients."""
+    monkeypatch.setattr(attention, "BLOCKWISE_BLOCK", BLOCK)  # several key blocks per device
+    mesh = MeshSpec(sequence=4).build()  # data=2 x sequence=4
+    q, k, v, cotangent = tensors(seed=3, q_len=32, kv_len=32)
+    segments = jnp.asarray(np.where(np.arange(32) < [[13], [22]], 1, 2), jnp.int32)
+    rules = dict(causal=True, window=6, segment_ids=segments, sinks=jnp.asarray(SINKS))
+
+    def split(q, k, v):
+        with splitting(SequenceSplit(mesh, mesh_lib.BATCH_AXES, exchange=exchange)):
+            return sequence_parallel.attention(q, k, v, impl="blockwise", **rules)
+
+    def plain(q, k, v):
+        return dot_product_attention(q, k, v, impl="reference", **rules)
+
+    assert "custom_vjp_call" in str(jax.make_jaxpr(split)(q, k, v))  # the blockwise kernel ran
+    got = values_and_gradients(lambda q, k, v, sinks: split(q, k, v), q, k, v, cotangent, None)
+    want = values_and_gradients(lambda q, k, v, sinks: plain(q, k, v), q, k, v, cotangent, None)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5)
