@@ -1,0 +1,185 @@
+"""img2img, inpainting and the SDXL base -> refiner handoff against diffusers' recordings.
+
+tools/image_workflow_fixtures.py records StableDiffusion(XL) img2img, inpainting (9-channel and
+4-channel) and refiner pipelines on the tiny fixture pipelines, from a fixed image, mask and noise,
+guidance 5.0 (tests/fixtures/pipelines/image_workflows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.inference.image import PreparedImages, strength_start
+from dew.interop import diffusion_pipelines
+from dew.interop.diffusion_pipelines import DiffusionPipeline
+from dew.interop.handoff import denoising_split
+from dew.interop.schedulers import DEFAULTS, SourceScheduler
+from dew.interop.unet_condition import PretrainedUNet
+
+PIPELINES = pathlib.Path(__file__).parent / "fixtures" / "pipelines"
+HERE = PIPELINES / "image_workflows"
+PROMPTS = ["a photo of a cat", "A red flower!"]
+TOLERANCE = 1e-3
+
+
+def nhwc(array):
+    return jnp.asarray(np.transpose(array, (0, 2, 3, 1)))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with np.load(HERE / "reference.npz") as data:
+        return {key: data[key] for key in data.files}
+
+
+@pytest.fixture(scope="module")
+def load():
+    patch = pytest.MonkeyPatch()
+    for name in DEFAULTS:  # the scheduler registry is filled elsewhere; these tests read the rebuilds
+        patch.setitem(diffusion_pipelines.SCHEDULERS, name, SourceScheduler.from_config)
+    cache = {}
+
+    def loaded(name):
+        if name not in cache:
+            cache[name] = DiffusionPipeline.load(PIPELINES / name)
+        return cache[name]
+
+    yield loaded
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def sd15(load):
+    """The sd15 pipeline with the DDIM scheduler the recordings swapped in (clip_sample off)."""
+    config = json.loads((PIPELINES / "sd15" / "scheduler" / "scheduler_config.json").read_text())
+    ddim = SourceScheduler.from_config({**config, "_class_name": "DDIMScheduler", "clip_sample": False})
+    task = load("sd15").text_to_image(steps=5, guidance=5.0)
+    return dataclasses.replace(task, process=ddim.process, solver=ddim.solver)
+
+
+def close(actual, expected, name):
+    error = float(np.max(np.abs(np.asarray(actual) - expected)))
+    assert error < TOLERANCE, f"{name}: max |Dew - diffusers| = {error:.2e}"
+    return error
+
+
+def images(result):
+    return (np.asarray(result.images) + 1.0) / 2.0
+
+
+def test_strength_picks_diffusers_start_index():
+    assert [strength_start(5, s) for s in (1.0, 0.8, 0.6, 0.5, 0.2, 0.1)] == [0, 1, 2, 3, 4, 5]
+    for bad in (0.0, -0.1, 1.5, True):
+        with pytest.raises(ValueError, match=r"strength must be a number in \(0, 1\]"):
+            strength_start(5, bad)
+
+
+def test_image_encodes_to_the_posterior_mean(sd15, reference):
+    prepared = sd15.prepare(PROMPTS, image=reference["image"], strength=0.6)
+    close(prepared.image_latents, nhwc(reference["sd15_image_latents"]), "image latents")
+
+
+def test_sd15_img2img_matches_diffusers(sd15, reference):
+    prepared = sd15.prepare(PROMPTS, image=reference["image"], strength=0.6, noise=nhwc(reference["sd15_noise"]))
+    assert (prepared.start, prepared.stop) == (2, 5)
+    result = sd15(prepared, seed=0)
+    close(result.latents, nhwc(reference["sd15_img2img/latents"]), "latents")
+    close(images(result), reference["sd15_img2img/images"], "images")
+    # negative control: strength mapped one step later on the grid
+    shifted = sd15(sd15.prepare(PROMPTS, image=reference["image"], times=3, noise=nhwc(reference["sd15_noise"])),
+                   seed=0)
+    assert np.max(np.abs(np.asarray(shifted.latents) - nhwc(reference["sd15_img2img/latents"]))) > 0.05
+
+
+def test_unconditional_prompts_replace_the_empty_prompt(sd15, reference):
+    common = dict(image=reference["image"], strength=0.6, noise=nhwc(reference["sd15_noise"]))
+    negative = sd15(sd15.prepare(PROMPTS, unconditional=["a photo of a dog"], **common), seed=0, decode=False)
+    close(negative.latents, nhwc(reference["sd15_img2img_negative/latents"]), "negative prompt latents")
+    assert negative.images is None
+    rows = sd15.prepare(["a photo of a dog"], strength=0.6, image=reference["image"][:1]).conditions
+    encoded = sd15(sd15.prepare(PROMPTS, unconditional=rows, **common), seed=0, decode=False)
+    np.testing.assert_allclose(encoded.latents, negative.latents, atol=1e-6)
+    plain = sd15(sd15.prepare(PROMPTS, **common), seed=0, decode=False)
+    assert np.max(np.abs(np.asarray(plain.latents) - np.asarray(negative.latents))) > 0.05
+
+
+def test_sd15_inpainting_with_a_9_channel_unet_matches_diffusers(sd15, reference):
+    unet = PretrainedUNet.load(HERE / "inpaint_unet")
+    task = dataclasses.replace(sd15, model=unet.model, variables=unet.variables)
+    prepared = task.prepare(PROMPTS, image=reference["image"], mask=reference["mask"], strength=1.0,
+                            noise=nhwc(reference["sd15_noise"]))
+    result = task(prepared, seed=0)
+    close(result.latents, nhwc(reference["sd15_inpaint9/latents"]), "latents")
+    close(images(result), reference["sd15_inpaint9/images"], "images")
+    inverted = task(task.prepare(PROMPTS, image=reference["image"], mask=1.0 - reference["mask"],
+                                 noise=nhwc(reference["sd15_noise"])), seed=0, decode=False)
+    assert np.max(np.abs(np.asarray(inverted.latents) - nhwc(reference["sd15_inpaint9/latents"]))) > 0.05
+
+
+def test_sd15_inpainting_with_a_4_channel_blend_matches_diffusers(sd15, reference):
+    prepared = sd15.prepare(PROMPTS, image=reference["image"], mask=reference["mask"], strength=0.8,
+                            noise=nhwc(reference["sd15_noise"]))
+    assert prepared.repaint is not None
+    result = sd15(prepared, seed=0)
+    close(result.latents, nhwc(reference["sd15_inpaint4/latents"]), "latents")
+    close(images(result), reference["sd15_inpaint4/images"], "images")
+    inverted = sd15(sd15.prepare(PROMPTS, image=reference["image"], mask=1.0 - reference["mask"], strength=0.8,
+                                 noise=nhwc(reference["sd15_noise"])), seed=0, decode=False)
+    assert np.max(np.abs(np.asarray(inverted.latents) - nhwc(reference["sd15_inpaint4/latents"]))) > 0.05
+
+
+def test_sdxl_img2img_matches_diffusers(load, reference):
+    task = load("sdxl").text_to_image(steps=6, guidance=5.0)
+    prepared = task.prepare(PROMPTS, image=reference["image"], strength=0.6, noise=nhwc(reference["sdxl_noise"]))
+    result = task(prepared, seed=0)
+    close(result.latents, nhwc(reference["sdxl_img2img/latents"]), "latents")
+    close(images(result), reference["sdxl_img2img/images"], "images")
+
+
+def test_sdxl_base_hands_off_to_the_refiner_as_diffusers_does(load, reference):
+    base = load("sdxl").text_to_image(steps=6, guidance=5.0)
+    split = denoising_split(load("sdxl").scheduler, 6, 0.6)
+    assert split == 3
+    handed = base(base.prepare(PROMPTS, times=(0, split), noise=nhwc(reference["sdxl_latents"])), seed=0,
+                  decode=False)
+    assert handed.images is None
+    close(handed.latents, nhwc(reference["sdxl_base/latents"]), "base latents")
+
+    refiner = load("image_workflows/refiner").text_to_image(steps=6, guidance=5.0)
+    result = refiner(refiner.prepare(PROMPTS, initial=handed.latents, times=split), seed=0)
+    close(result.latents, nhwc(reference["sdxl_refiner/latents"]), "refiner latents")
+    close(images(result), reference["sdxl_refiner/images"], "refiner images")
+    early = refiner(refiner.prepare(PROMPTS, initial=handed.latents, times=split - 1), seed=0, decode=False)
+    assert np.max(np.abs(np.asarray(early.latents) - nhwc(reference["sdxl_refiner/latents"]))) > 0.05
+
+
+def test_bad_inputs_fail_early_with_what_was_expected(sd15, reference):
+    image = reference["image"]
+    with pytest.raises(ValueError, match=r"mask must be a pixel mask \[batch, 16, 16, 1\]"):
+        sd15.prepare(PROMPTS, image=image, mask=reference["mask"][..., 0])
+    with pytest.raises(ValueError, match="multiples of 2"):
+        sd15.prepare(PROMPTS, image=image[:, :15, :15], strength=0.5)
+    with pytest.raises(ValueError, match="initial= is a state that is already noisy"):
+        sd15.prepare(PROMPTS, initial=np.zeros((2, 8, 8, 4), np.float32), strength=0.5)
+    with pytest.raises(ValueError, match=r"strength must be a number in \(0, 1\]"):
+        sd15.prepare(PROMPTS, image=image, strength=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        sd15.prepare(PROMPTS, image=image, strength=0.5, times=2)
+    with pytest.raises(ValueError, match="times must be a step index"):
+        sd15.prepare(PROMPTS, image=image, times=5)
+    with pytest.raises(ValueError, match="needs a state there"):
+        sd15.prepare(PROMPTS, times=2)
+    with pytest.raises(ValueError, match="floats must lie in"):
+        sd15.prepare(PROMPTS, image=image.astype(np.float32), strength=0.5)
+    with pytest.raises(ValueError, match="noise must have the latents' shape"):
+        sd15.prepare(PROMPTS, image=image, strength=0.5, noise=np.zeros((2, 4, 8, 8), np.float32))
+    prepared = sd15.prepare(PROMPTS, image=image, strength=0.5)
+    assert isinstance(prepared, PreparedImages)
+    with pytest.raises(ValueError, match="prepare it again with steps="):
+        sd15(prepared, seed=0, steps=4)
