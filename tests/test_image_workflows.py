@@ -11,6 +11,7 @@ import dataclasses
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,6 +85,8 @@ def test_strength_picks_diffusers_start_index():
 def test_image_encodes_to_the_posterior_mean(sd15, reference):
     prepared = sd15.prepare(PROMPTS, image=reference["image"], strength=0.6)
     close(prepared.image_latents, nhwc(reference["sd15_image_latents"]), "image latents")
+    drawn = sd15.prepare(PROMPTS, image=reference["image"], strength=0.6, encode_key=jax.random.key(0))
+    assert float(jnp.max(jnp.abs(drawn.image_latents - prepared.image_latents))) > 1e-3  # a posterior draw
 
 
 def test_sd15_img2img_matches_diffusers(sd15, reference):
@@ -187,3 +190,67 @@ def test_bad_inputs_fail_early_with_what_was_expected(sd15, reference):
     assert isinstance(prepared, PreparedImages)
     with pytest.raises(ValueError, match="prepare it again with steps="):
         sd15(prepared, seed=0, steps=4)
+
+
+# --- the same machinery on a tiny analytic model (pixel space, no autoencoder) -----------------------
+
+DDIM_CONFIG = {"_class_name": "DDIMScheduler", "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+               "beta_end": 0.012, "set_alpha_to_one": False, "steps_offset": 1, "clip_sample": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Smooth:
+    """An epsilon prediction that depends on the input and the timestep (no weights, no conditions)."""
+
+    def apply(self, variables, x, timesteps, conditions):
+        return 0.7 * jnp.tanh(x) + 0.002 * timesteps[:, None, None, None]
+
+
+def tiny(class_name="DDIMScheduler", **settings):
+    from dew.inference.image import TextToImage
+
+    scheduler = SourceScheduler.from_config({**DDIM_CONFIG, "_class_name": class_name, **settings})
+    return TextToImage(Smooth(), {}, scheduler.process, (8, 8, 3), solver=scheduler.solver, steps=6)
+
+
+def test_a_prepared_text_to_image_run_draws_what_a_plain_call_draws():
+    task = tiny()
+    plain = task(["", ""], seed=3)
+    prepared = task(task.prepare(["", ""]), seed=3)
+    np.testing.assert_array_equal(prepared.images, plain.images)
+    raw = task(["", ""], seed=3, decode=False)
+    assert raw.images is None and plain.latents is None
+    assert float(jnp.max(jnp.abs(raw.latents))) > 1.0  # unclipped
+    np.testing.assert_allclose(jnp.clip(raw.latents, -1, 1), plain.images, atol=1e-6)
+
+
+def test_a_run_split_in_two_through_initial_continues_where_it_stopped():
+    task = tiny()  # DDIM without alpha = 1 at the end: the handed latents are in the scheduler's space
+    noise = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
+    whole = task(task.prepare(["", ""], noise=noise), seed=0, decode=False).latents
+    first = task(task.prepare(["", ""], noise=noise, times=(0, 4)), seed=0, decode=False).latents
+    second = task(task.prepare(["", ""], initial=first, times=4), seed=0, decode=False).latents
+    np.testing.assert_allclose(second, whole, atol=1e-5)
+    # negative control: the handed state taken as sigma space, without undoing the scheduler's scale
+    unscaled = dataclasses.replace(task.prepare(["", ""], initial=first, times=4), initial=jnp.asarray(first))
+    assert float(jnp.max(jnp.abs(task(unscaled, seed=0, decode=False).latents - whole))) > 1e-3
+
+
+def test_img2img_starts_from_the_image_noised_to_the_grid_level():
+    task = tiny()
+    image = np.random.default_rng(1).integers(0, 256, (1, 8, 8, 3), dtype=np.uint8)
+    noise = np.random.default_rng(2).normal(size=(2, 8, 8, 3)).astype(np.float32)
+    prepared = task.prepare(["", ""], image=image, strength=0.5, noise=noise)
+    assert (prepared.start, prepared.stop) == (3, 6)
+    np.testing.assert_allclose(prepared.image_latents[1], image[0] / 127.5 - 1.0, atol=1e-6)  # one row, repeated
+    same = task.prepare(["", ""], image_latents=prepared.image_latents, strength=0.5, noise=noise)
+    np.testing.assert_array_equal(task(same, seed=0).images, task(prepared, seed=0).images)
+
+
+def test_blended_inpainting_needs_a_solver_whose_steps_stand_alone():
+    task = tiny("PNDMScheduler", skip_prk_steps=True)
+    image = np.zeros((2, 8, 8, 3), np.uint8)
+    mask = np.ones((2, 8, 8, 1), np.float32)
+    prepared = task.prepare(["", ""], image=image, mask=mask, strength=0.5)
+    with pytest.raises(ValueError, match="PNDM carries state between steps"):
+        task(prepared, seed=0)
