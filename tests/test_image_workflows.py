@@ -254,3 +254,19 @@ def test_blended_inpainting_needs_a_solver_whose_steps_stand_alone():
     prepared = task.prepare(["", ""], image=image, mask=mask, strength=0.5)
     with pytest.raises(ValueError, match="PNDM carries state between steps"):
         task(prepared, seed=0)
+
+
+def test_an_inpainting_pipeline_directory_loads_its_9_channel_unet(load, tmp_path, reference):
+    folder = tmp_path / "inpaint"
+    folder.mkdir()
+    index = json.loads((PIPELINES / "sd15" / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionInpaintPipeline"}))
+    for name in ("scheduler", "text_encoder", "tokenizer", "vae"):
+        (folder / name).symlink_to(PIPELINES / "sd15" / name, target_is_directory=True)
+    (folder / "unet").symlink_to(HERE / "inpaint_unet", target_is_directory=True)
+    task = DiffusionPipeline.load(folder).text_to_image()
+    assert (task.model.in_channels, task.guidance.scale, task.steps) == (9, 7.5, 50)
+    prepared = task.prepare(PROMPTS, image=reference["image"], mask=reference["mask"])
+    assert prepared.repaint is None and prepared.conditions["masked_image_latents"].shape == (2, 8, 8, 4)
+    with pytest.raises(ValueError, match="reads the masked image's latents: pass image="):
+        task.prepare(PROMPTS, image_latents=prepared.image_latents, mask=reference["mask"])
