@@ -166,6 +166,15 @@ def test_sdxl_base_hands_off_to_the_refiner_as_diffusers_does(load, reference):
     assert np.max(np.abs(np.asarray(early.latents) - nhwc(reference["sdxl_refiner/latents"]))) > 0.05
 
 
+def test_refiner_negative_prompts_keep_the_negative_aesthetic_score(load):
+    refiner = load("image_workflows/refiner").text_to_image(steps=6, guidance=5.0)
+    prepared = refiner.prepare(PROMPTS, unconditional=["a photo of a dog"])
+    np.testing.assert_array_equal(prepared.null["time_ids"][:, -1], [2.5, 2.5])
+    np.testing.assert_array_equal(prepared.conditions["time_ids"][:, -1], [6.0, 6.0])
+    empty = refiner.prepare(PROMPTS)
+    assert float(jnp.max(jnp.abs(prepared.null["encoder_hidden_states"] - empty.null["encoder_hidden_states"]))) > 1e-3
+
+
 def test_bad_inputs_fail_early_with_what_was_expected(sd15, reference):
     image = reference["image"]
     with pytest.raises(ValueError, match=r"mask must be a pixel mask \[batch, 16, 16, 1\]"):

@@ -393,13 +393,14 @@ class TextToImage:
             raise ValueError("unconditional= takes a list of prompts (one, or one per prompt) or a mapping of "
                              f"encoded condition rows; got {type(unconditional).__name__}.")
         encoded = self._conditions(list(unconditional))
+        for condition in self._text_conditions():
+            if hasattr(condition, "time_ids"):  # SDXL: the unconditional rows' own ids (negative aesthetic score)
+                encoded["time_ids"] = condition.time_ids(jnp.ones((len(unconditional),), bool))
         return {name: _rows(value, rows, "unconditional") for name, value in encoded.items()}
 
     def _run(self, prepared: PreparedImages, *, solver: Any, guidance: Any, key: jax.Array,
              decode: bool) -> Images:
         """Run a prepared input from its grid's first level to its last."""
-        if getattr(prepared, "sigmas", None) is None or not isinstance(prepared, PreparedImages):
-            raise TypeError(f"expected a PreparedImages from TextToImage.prepare; got {type(prepared).__name__}")
         expected = self.process.sigmas(prepared.steps)[prepared.start:prepared.stop + 1]
         if not np.array_equal(np.asarray(expected), np.asarray(prepared.sigmas)):
             raise ValueError("This prepared input was made for another process's grid; prepare it with this task.")
