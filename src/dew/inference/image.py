@@ -97,13 +97,13 @@ def pixels(image: Any, name: str = "image") -> jax.Array:
     return array
 
 
-def _rows(array: jax.Array, count_: int, name: str) -> jax.Array:
-    """``array`` with ``count_`` rows: as given, or one row repeated."""
-    if array.shape[0] == count_:
+def _rows(array: jax.Array, rows: int, name: str) -> jax.Array:
+    """``array`` with ``rows`` rows: as given, or one row repeated."""
+    if array.shape[0] == rows:
         return array
     if array.shape[0] == 1:
-        return jnp.repeat(array, count_, axis=0)
-    raise ValueError(f"{name} has {array.shape[0]} rows; pass one row, or one per prompt ({count_}).")
+        return jnp.repeat(array, rows, axis=0)
+    raise ValueError(f"{name} has {array.shape[0]} rows; pass one row, or one per prompt ({rows}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +129,7 @@ class PreparedImages:
       conditions, null: the encoded conditions of the prompts and of the unconditional branch.
       steps: the step count of the source grid; start, stop: the part of it this run takes.
       sigmas: that part's levels (``stop - start + 1``), from the task's process.
+      rows, sample_shape: the number of prompts and the shape of one latent.
       image_latents: the clean latents an img2img or inpainting run starts from (None otherwise).
       noise: the unit Gaussian noise added to them, or the starting noise of a text-to-image run
         (None: drawn from the call's seed).
@@ -178,7 +179,9 @@ class TextToImage:
     scale (``3.0`` means ``CFG(3.0)``); None turns classifier-free guidance off.
     Integer entries are class labels for a model conditioned on "label" (None draws
     unconditionally); with no text encoder, strings only set how many samples to draw, and a model
-    trained without conditions draws unconditionally.
+    trained without conditions draws unconditionally. ``decode=False`` returns the unclipped
+    latents with ``images=None``. `prepare` builds inputs that start from an image, inpaint, or
+    continue another run (see the module docstring); the task runs those the same way.
     """
 
     model: Any
