@@ -13,8 +13,10 @@ read by tests/test_image_workflows.py:
                     sd15_noise, sdxl_noise, sdxl_latents (the base's starting latents), and
                     sd15_image_latents (the scaled posterior mean of image); outputs <case>/latents
                     (output_type="latent") and <case>/images ("np", [0, 1]) for
-                    sd15_img2img, sd15_img2img_negative, sd15_inpaint9, sd15_inpaint4, sdxl_img2img,
-                    sdxl_base (latents only) and sdxl_refiner
+                    sd15_img2img (DDIM, strength 0.6), sd15_img2img_negative (the same with a
+                    negative prompt; latents only), sd15_inpaint9 (strength 1), sd15_inpaint4 (the
+                    sd15 UNet's blend, strength 0.8), sdxl_img2img (Euler, strength 0.6), sdxl_base
+                    (denoising_end 0.6; latents only) and sdxl_refiner (denoising_start 0.6)
 
 Every case uses guidance GUIDANCE. The pipelines draw their VAE posterior samples and noise from a
 torch generator, which Dew cannot replay, so the recording swaps both for fixed values: the
