@@ -59,8 +59,11 @@ class Family:
 _SDXL = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
 PIPELINES: dict[str, Family] = {
     "StableDiffusionPipeline": Family((("text_encoder", "tokenizer"),), "unet", guidance=7.5, steps=50),
+    "StableDiffusionImg2ImgPipeline": Family((("text_encoder", "tokenizer"),), "unet", guidance=7.5, steps=50),
+    "StableDiffusionInpaintPipeline": Family((("text_encoder", "tokenizer"),), "unet", guidance=7.5, steps=50),
     "StableDiffusionXLPipeline": Family(_SDXL, "unet", guidance=5.0, steps=50),
     "StableDiffusionXLImg2ImgPipeline": Family(_SDXL, "unet", guidance=5.0, steps=50, optional=("text_encoder",)),
+    "StableDiffusionXLInpaintPipeline": Family(_SDXL, "unet", guidance=7.5, steps=50, optional=("text_encoder",)),
     "StableDiffusion3Pipeline": Family(_SDXL + (("text_encoder_3", "tokenizer_3"),), "transformer", guidance=7.0,
                                        steps=28, t5_length=256, optional=("text_encoder_3",)),
     # Flux is guidance-distilled: its guidance scale is a condition of the transformer (FluxPrompts)
@@ -224,9 +227,9 @@ def load_prompts(directory: str | Path | ModelIndex, *, dtype: Any = jnp.float32
             continue
         encoders[name] = load_text_encoder(index, name, tokenizer, t5_length=length, dtype=dtype, param_dtype=param_dtype)
     cls = index.pipeline_class
-    if cls == "StableDiffusionPipeline":
+    if cls in ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"):
         return StableDiffusionPrompts(encoders["text_encoder"], **options)
-    if cls in ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"):
+    if cls in ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline"):
         settings = dict(force_zeros_for_empty_prompt=index.settings.get("force_zeros_for_empty_prompt", True))
         if index.settings.get("requires_aesthetics_score", False):
             settings.update(aesthetic_score=6.0, negative_aesthetic_score=2.5)
