@@ -100,9 +100,16 @@ class Process:
         with jax.ensure_compile_time_eval():  # a constant of the schedule, also inside a jit
             return float(self.sigmas(1)[0])
 
-    def noise(self, key, shape, dtype=jnp.float32) -> jax.Array:
-        """x_T in sigma space: ``sigma_max * eps``, what `dew.sample` starts from."""
+    def noise(self, key, shape, dtype=jnp.float32, *, steps: int | None = None) -> jax.Array:
+        """x_T in sigma space: ``sigma_max * eps``, what `dew.sample` starts from. ``steps`` is not
+        read (the first level is the same for every step count); a published scheduler's process
+        (`dew.interop.schedulers`) starts where its grid for that many steps does."""
         return (self.sigma_max * jax.random.normal(key, shape)).astype(dtype)
+
+    def final(self, x, sigmas) -> jax.Array:
+        """The sample at the grid's last level as this process returns it: sigma space, x itself (a
+        published scheduler's process rescales to its own space there)."""
+        return x
 
     def denoiser(self, model, variables, conditions=None) -> "Denoiser":
         """``denoise(x, sigma, conditions=None) -> x0_hat`` in sigma space over ``model``."""

@@ -126,9 +126,10 @@ class TextToImage:
                 "Pass guidance=None."
             )
         noise_key, solver_key = jax.random.split(key)
-        x_T = self.process.noise(noise_key, (len(entries),) + tuple(self.sample_shape))
+        x_T = self.process.noise(noise_key, (len(entries),) + tuple(self.sample_shape), steps=steps)
         denoise = self.process.denoiser(self.model, self.variables, conditions or None)
         x0 = sample(denoise, x_T, solver=solver, steps=steps, key=solver_key, guidance=guidance)
+        x0 = self.process.final(x0, self.process.sigmas(steps))
         if self.autoencoder is None:
             return Images(jnp.clip(x0, -1.0, 1.0))
         return Images(jnp.clip(self.autoencoder.decode(x0), -1.0, 1.0), latents=x0)

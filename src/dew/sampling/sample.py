@@ -65,5 +65,6 @@ def sample(denoise, x_T, *, solver, steps, key=None, guidance=None, grid=None, p
 
 
 def _is_pytree_denoiser(denoise):
-    from dew.diffusion.process import Denoiser
-    return isinstance(denoise, Denoiser)
+    """A denoiser that is itself a pytree (`Process.denoiser`'s, a source scheduler's) is passed to the
+    jit as one, so its weights are arguments rather than constants."""
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(denoise))
