@@ -155,3 +155,59 @@ def _without_guidance(prompts):
     prompts = copy.copy(prompts)
     prompts.guidance = None
     return prompts
+
+
+# --- saving the pipeline directory back -----------------------------------------------------------
+
+
+def leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def assert_bitwise(a, b):
+    assert len(leaves(a)) == len(leaves(b)) > 0
+    for x, y in zip(leaves(a), leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("family", ["sd15", "sd3"])
+def test_a_saved_pipeline_reloads_with_bitwise_weights_and_its_scheduler(pipelines, family, tmp_path):
+    pipeline = loaded(pipelines, family)
+    again = DiffusionPipeline.load(pipeline.save(tmp_path / family))
+    assert again.index.pipeline_class == pipeline.index.pipeline_class
+    assert again.index.settings == pipeline.index.settings and again.scheduler == pipeline.scheduler
+    assert_bitwise(again.denoiser.variables, pipeline.denoiser.variables)
+    assert_bitwise(again.autoencoder.variables, pipeline.autoencoder.variables)
+    for name, _ in pipeline.index.family.encoders:
+        assert_bitwise(getattr(again.prompts, name).variables, getattr(pipeline.prompts, name).variables)
+    encoded, encoded_again = pipeline.prompts.encode_texts(PROMPTS), again.prompts.encode_texts(PROMPTS)
+    for key in encoded:
+        np.testing.assert_array_equal(np.asarray(encoded_again[key]), np.asarray(encoded[key]))
+
+
+def test_a_saved_pipeline_draws_the_same_images(pipelines, tmp_path):
+    pipeline = loaded(pipelines, "sd15")
+    again = DiffusionPipeline.load(pipeline.save(tmp_path / "sd15"))
+    assert_matches("sd15", "PNDMScheduler", *draw(again, "sd15"))
+    with pytest.raises(FileExistsError, match="not empty"):
+        pipeline.save(tmp_path / "sd15")
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_diffusers_loads_a_saved_pipeline_and_draws_the_recorded_images(pipelines, family, tmp_path):
+    import diffusers
+    import torch
+
+    directory = loaded(pipelines, family).save(tmp_path / family)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(directory, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    reference = np.load(FIXTURES / family / "reference.npz")
+    images = pipe(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=SIDE, width=SIDE,
+                  latents=torch.from_numpy(reference["latents"]), generator=torch.Generator().manual_seed(0),
+                  output_type="np").images
+    label = type(pipe.scheduler).__name__
+    np.testing.assert_allclose(images, reference[f"{label}/images"], atol=1e-5, rtol=0)

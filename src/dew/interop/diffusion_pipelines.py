@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from dew.data.caption_tokens import CaptionTokens
 from dew.data.clip_bpe import clip_bpe, has_clip_bpe_files
 from dew.data.tokenizers import HFTokenizer
+from dew.files import staged_directory
 from dew.hub import local_directory
 from dew.interop.autoencoders import CLASS_NAME as AUTOENCODER_CLASS
 from dew.interop.autoencoders import PretrainedAutoencoder
@@ -316,6 +318,40 @@ class DiffusionPipeline:
         return cls(index=index, prompts=load_prompts(index, dtype=dtype, param_dtype=param_dtype),
                    autoencoder=load_autoencoder(index, dtype=dtype, param_dtype=param_dtype),
                    denoiser=load_denoiser(index, dtype=dtype, param_dtype=param_dtype), scheduler=load_scheduler(index))
+
+    def save(self, directory: str | Path, *, overwrite: bool = False, dtype: Any = None) -> Path:
+        """Write the pipeline directory back as diffusers reads it: model_index.json as loaded, each
+        text encoder, the VAE and the denoiser through their own ``save`` (``dtype`` casts the
+        weights), scheduler/scheduler_config.json from the scheduler's settings, and the tokenizer
+        folders (and any component Dew does not hold) copied unchanged from the source directory.
+        Files are staged beside ``directory`` and renamed into place at the end; a non-empty
+        ``directory`` is replaced only with ``overwrite=True``."""
+        source = self.index.directory
+        dest = Path(directory).expanduser()
+        if dest.resolve() == source.resolve():
+            raise ValueError(f"{dest} is the directory this pipeline was read from; save to another directory")
+        encoders = {name for name, _ in self.index.family.encoders}
+        tokenizers = {tokenizer for _, tokenizer in self.index.family.encoders}
+        with staged_directory(dest, overwrite=overwrite) as staging:
+            (staging / MODEL_INDEX).write_text((source / MODEL_INDEX).read_text())
+            for name in self.index.components:
+                target = staging / name
+                if name in encoders:
+                    encoder = getattr(self.prompts, name, None)
+                    if encoder is None:  # an optional encoder this pipeline was read without
+                        raise ValueError(f"{source} names {name}, but the loaded pipeline holds no {name} to save")
+                    dataclasses.replace(encoder, tokens=None).save(target, dtype=dtype)
+                elif name == "vae":
+                    self.autoencoder.save(target, dtype=dtype)
+                elif name == self.index.family.denoiser:
+                    self.denoiser.save(target, dtype=dtype)
+                elif name == "scheduler":
+                    target.mkdir()
+                    config = self.scheduler.to_config()
+                    (target / SCHEDULER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+                elif name in tokenizers or (source / name).is_dir():
+                    shutil.copytree(self.index.folder(name), target)
+        return dest
 
     def text_to_image(self, *, height: int | None = None, width: int | None = None, steps: int | None = None,
                       guidance: Any = DEFAULT) -> Any:
