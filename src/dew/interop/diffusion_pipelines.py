@@ -12,7 +12,9 @@ for each component, the (library, class) that reads its folder:
 and tokenizers, `dew.interop.pipeline_prompts`); `DiffusionPipeline.load` adds the autoencoder,
 the denoiser and the scheduler. Denoisers and schedulers load through the `DENOISERS` and
 `SCHEDULERS` registries (diffusers class name -> loader); a class without one raises naming
-those Dew reads.
+those Dew reads. Schedulers are the source's own, rebuilt by `dew.interop.schedulers.SourceScheduler`
+from scheduler_config.json. `DiffusionPipeline.text_to_image()` assembles the `TextToImage` task
+(what `dew.pipeline(dir)` returns) and `DiffusionPipeline.save(dir)` writes the directory back.
 """
 
 from __future__ import annotations
