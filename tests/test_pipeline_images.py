@@ -101,7 +101,6 @@ def test_the_shipped_scheduler_draws_the_pipelines_images(pipelines, family):
     assert_matches(family, pipeline.scheduler.class_name, *draw(pipeline, family))
 
 
-@pytest.mark.slow  # ~25 s each on a shared 2-core CPU; the shipped scheduler's test covers the path by default
 @pytest.mark.parametrize("family", sorted(SECOND))
 def test_a_swapped_scheduler_draws_the_pipelines_images(pipelines, family):
     pipeline = loaded(pipelines, family)
