@@ -42,6 +42,7 @@ bench: $(STAMP) $(REF_STAMP)
 	$(REF)/bin/python benchmarks/moe_train.py --dew-python $(BIN)/python
 	$(REF)/bin/python benchmarks/vae_decode.py --dew-python $(BIN)/python
 	$(REF)/bin/python benchmarks/latent_diffusion_train.py --dew-python $(BIN)/python
+	$(REF)/bin/python benchmarks/pipeline_sampling.py --dew-python $(BIN)/python
 	$(BIN)/python benchmarks/kv_cache_quality.py
 
 clean:

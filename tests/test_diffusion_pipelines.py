@@ -229,10 +229,12 @@ def test_an_unsupported_denoiser_is_refused_before_weights_are_read(monkeypatch)
         DiffusionPipeline.load(FIXTURES / "sd15")
 
 
-def test_an_unsupported_scheduler_is_refused_naming_it(monkeypatch):
+def test_an_unsupported_scheduler_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.setitem(diffusion_pipelines.DENOISERS, "FluxTransformer2DModel", lambda folder, **kw: folder)
-    with pytest.raises(NotImplementedError, match="FlowMatchEulerDiscreteScheduler; Dew has no rebuild"):
-        DiffusionPipeline.load(FIXTURES / "flux")
+    directory = copy_pipeline(tmp_path, "flux")
+    edit_index(directory, scheduler=["diffusers", "FlowMatchHeunDiscreteScheduler"])
+    with pytest.raises(NotImplementedError, match="FlowMatchHeunDiscreteScheduler; Dew has no rebuild"):
+        DiffusionPipeline.load(directory)
 
 
 # --- dew.pipeline and Pretrained.load -------------------------------------------------------------
@@ -265,7 +267,7 @@ def test_a_loaded_pipeline_serves_text_to_image_with_its_own_defaults(monkeypatc
     denoiser = types.SimpleNamespace(model="transformer-module", variables={"params": {}})
     scheduler = types.SimpleNamespace(process="flow-process", solver="euler")
     monkeypatch.setitem(diffusion_pipelines.DENOISERS, "SD3Transformer2DModel", lambda folder, **kw: denoiser)
-    monkeypatch.setitem(diffusion_pipelines.SCHEDULERS, "FlowMatchEulerDiscreteScheduler", lambda config: scheduler)
+    monkeypatch.setitem(diffusion_pipelines.SCHEDULERS, "FlowMatchEulerDiscreteScheduler", lambda config, **options: scheduler)
     task = dew.pipeline(FIXTURES / "sd3")
     assert isinstance(task, TextToImage) and isinstance(task.autoencoder, PretrainedAutoencoder)
     assert (task.model, task.process, task.solver) == ("transformer-module", "flow-process", "euler")

@@ -12,13 +12,17 @@ for each component, the (library, class) that reads its folder:
 and tokenizers, `dew.interop.pipeline_prompts`); `DiffusionPipeline.load` adds the autoencoder,
 the denoiser and the scheduler. Denoisers and schedulers load through the `DENOISERS` and
 `SCHEDULERS` registries (diffusers class name -> loader); a class without one raises naming
-those Dew reads.
+those Dew reads. Schedulers are the source's own, rebuilt by `dew.interop.schedulers.SourceScheduler`
+from scheduler_config.json. `DiffusionPipeline.text_to_image()` assembles the `TextToImage` task
+(what `dew.pipeline(dir)` returns) and `DiffusionPipeline.save(dir)` writes the directory back.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,11 +32,14 @@ import jax.numpy as jnp
 from dew.data.caption_tokens import CaptionTokens
 from dew.data.clip_bpe import clip_bpe, has_clip_bpe_files
 from dew.data.tokenizers import HFTokenizer
+from dew.files import staged_directory
 from dew.hub import local_directory
 from dew.interop.autoencoders import CLASS_NAME as AUTOENCODER_CLASS
 from dew.interop.autoencoders import PretrainedAutoencoder
 from dew.interop import flux_transformer, sd3_transformer, unet_condition
 from dew.interop.pipeline_prompts import FluxPrompts, SD3Prompts, SDXLPrompts, StableDiffusionPrompts
+from dew.interop.schedulers import DEFAULTS as SOURCE_SCHEDULERS
+from dew.interop.schedulers import SourceScheduler
 from dew.interop.text_encoders import PretrainedTextEncoder
 
 MODEL_INDEX = "model_index.json"
@@ -77,9 +84,15 @@ DENOISERS: dict[str, Callable[..., Any]] = {
     sd3_transformer.CLASS_NAME: sd3_transformer.PretrainedSD3Transformer.load,
     flux_transformer.CLASS_NAME: flux_transformer.PretrainedFluxTransformer.load,
 }
-# diffusers class name -> loader(config: the scheduler_config.json dict) returning Dew's scheduler:
-# an object with `process` (noise and the denoiser wrapper `TextToImage` samples through) and `solver`.
-SCHEDULERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
+# diffusers class name -> loader(config: the scheduler_config.json dict, **pipeline options) returning
+# Dew's scheduler: an object with `process` (noise and the denoiser wrapper `TextToImage` samples
+# through) and `solver`. Every class `SourceScheduler` rebuilds reads through it.
+SCHEDULERS: dict[str, Callable[..., Any]] = {name: SourceScheduler.from_config for name in SOURCE_SCHEDULERS}
+# what a pipeline class itself does around its scheduler: FluxPipeline passes the sigmas
+# linspace(1, 1/steps, steps) and hands its transformer timesteps / 1000
+SCHEDULER_OPTIONS: dict[str, dict[str, Any]] = {
+    "FluxPipeline": {"pipeline_sigmas": "flux", "model_timestep_scale": 0.001},
+}
 
 
 # --- model_index.json -----------------------------------------------------------------------------
@@ -268,7 +281,7 @@ def load_scheduler(index: ModelIndex) -> Any:
             f"{index.directory} uses the diffusers scheduler {cls}; Dew has no rebuild of it yet "
             f"(it reads {sorted(SCHEDULERS) or 'none so far'})"
         )
-    return SCHEDULERS[cls](config)
+    return SCHEDULERS[cls](config, **SCHEDULER_OPTIONS.get(index.pipeline_class, {}))
 
 
 def load_autoencoder(index: ModelIndex, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> PretrainedAutoencoder:
@@ -311,18 +324,89 @@ class DiffusionPipeline:
                    autoencoder=load_autoencoder(index, dtype=dtype, param_dtype=param_dtype),
                    denoiser=load_denoiser(index, dtype=dtype, param_dtype=param_dtype), scheduler=load_scheduler(index))
 
+    def save(self, directory: str | Path, *, overwrite: bool = False, dtype: Any = None) -> Path:
+        """Write the pipeline directory back as diffusers reads it: model_index.json as loaded, each
+        text encoder, the VAE and the denoiser through their own ``save`` (``dtype`` casts the
+        weights), scheduler/scheduler_config.json from the scheduler's settings, and the tokenizer
+        folders (and any component Dew does not hold) copied unchanged from the source directory.
+        Files are staged beside ``directory`` and renamed into place at the end; a non-empty
+        ``directory`` is replaced only with ``overwrite=True``."""
+        source = self.index.directory
+        dest = Path(directory).expanduser()
+        if dest.resolve() == source.resolve():
+            raise ValueError(f"{dest} is the directory this pipeline was read from; save to another directory")
+        encoders = {name for name, _ in self.index.family.encoders}
+        tokenizers = {tokenizer for _, tokenizer in self.index.family.encoders}
+        with staged_directory(dest, overwrite=overwrite) as staging:
+            (staging / MODEL_INDEX).write_text((source / MODEL_INDEX).read_text())
+            for name in self.index.components:
+                target = staging / name
+                if name in encoders:
+                    encoder = getattr(self.prompts, name, None)
+                    if encoder is None:  # an optional encoder this pipeline was read without
+                        raise ValueError(f"{source} names {name}, but the loaded pipeline holds no {name} to save")
+                    dataclasses.replace(encoder, tokens=None).save(target, dtype=dtype)
+                elif name == "vae":
+                    self.autoencoder.save(target, dtype=dtype)
+                elif name == self.index.family.denoiser:
+                    self.denoiser.save(target, dtype=dtype)
+                elif name == "scheduler":
+                    target.mkdir()
+                    config = self.scheduler.to_config()
+                    (target / SCHEDULER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+                elif name in tokenizers or (source / name).is_dir():
+                    shutil.copytree(self.index.folder(name), target)
+        return dest
+
     def text_to_image(self, *, height: int | None = None, width: int | None = None, steps: int | None = None,
                       guidance: Any = DEFAULT) -> Any:
         """The `TextToImage` task this pipeline serves: images ``height`` x ``width`` pixels (default
-        the pipeline's own size), ``steps`` and ``guidance`` defaulting to the pipeline's."""
+        the pipeline's own size), ``steps`` and ``guidance`` defaulting to the pipeline's. For a
+        guidance-distilled Flux, ``guidance`` is the scale its transformer reads, not classifier-free
+        guidance (FluxPipeline's ``guidance_scale``)."""
         from dew.inference.image import TextToImage
 
         default_height, default_width = _size_defaults(self.index)
         family = self.index.family
         sample = (height or default_height, width or default_width, self.autoencoder.model.in_channels)
+        latent_shape = tuple(self.autoencoder.latent_shape(sample))
+        scheduler = self._scheduler_for(latent_shape)
+        prompts = self.prompts
+        if family.guidance is None:
+            prompts = self._distilled_guidance(guidance)
+            guidance = None
         return TextToImage(
-            model=self.denoiser.model, variables=self.denoiser.variables, process=self.scheduler.process,
-            solver=self.scheduler.solver, sample_shape=tuple(self.autoencoder.latent_shape(sample)),
-            conditions={"prompt": self.prompts}, autoencoder=self.autoencoder,
-            guidance=family.guidance if guidance is DEFAULT else guidance, steps=steps or family.steps,
+            model=self.denoiser.model, variables=self.denoiser.variables, process=scheduler.process,
+            solver=scheduler.solver, sample_shape=latent_shape, conditions={"prompt": prompts},
+            autoencoder=self.autoencoder, guidance=family.guidance if guidance is DEFAULT else guidance,
+            steps=steps or family.steps,
         )
+
+    def __call__(self, prompts: Any, **options: Any) -> Any:
+        """Draw images for ``prompts`` with the pipeline's defaults (``text_to_image()(prompts, **options)``)."""
+        return self.text_to_image()(prompts, **options)
+
+    def _scheduler_for(self, latent_shape: tuple[int, ...]) -> Any:
+        """The scheduler with the latent token count a flow scheduler's dynamic shifting reads: the
+        latents cut into 2 x 2 patches (Flux packs them so; SD3 reads its transformer's patch_size)."""
+        if not isinstance(self.scheduler, SourceScheduler) or self.scheduler.space != "flow":
+            return self.scheduler
+        patch = 2 if self.index.pipeline_class == "FluxPipeline" else int(
+            self.index.config(self.index.family.denoiser).get("patch_size", 2))
+        tokens = (latent_shape[0] // patch) * (latent_shape[1] // patch)
+        return dataclasses.replace(self.scheduler, image_tokens=tokens)
+
+    def _distilled_guidance(self, guidance: Any) -> Any:
+        """The prompt encoder with ``guidance`` as the embedded scale of a guidance-distilled model."""
+        if guidance is DEFAULT or guidance is None:
+            return self.prompts
+        if getattr(self.prompts, "guidance", None) is None:
+            raise ValueError(f"{self.index.directory} is a {self.index.pipeline_class} whose transformer has no "
+                             f"guidance embedding (guidance_embeds false), so guidance={guidance!r} has no effect; "
+                             "leave guidance unset")
+        if not isinstance(guidance, (int, float)) or isinstance(guidance, bool):
+            raise TypeError(f"guidance for a {self.index.pipeline_class} is the scale its transformer reads, a "
+                            f"float; got {guidance!r}")
+        prompts = copy.copy(self.prompts)
+        prompts.guidance = float(guidance)
+        return prompts
