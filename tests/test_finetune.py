@@ -180,6 +180,30 @@ def test_flux_trains_on_the_unshifted_table_and_passes_timesteps_over_1000():
     np.testing.assert_allclose(np.asarray(network_t), [1.0, 0.25], rtol=1e-7)
 
 
+def test_flux_loss_calls_the_transformer_at_unshifted_levels_over_1000(pipelines):
+    with pytest.MonkeyPatch.context() as patch:  # FluxPipeline passes its transformer timesteps / 1000
+        patch.setitem(diffusion_pipelines.SCHEDULERS, "FlowMatchEulerDiscreteScheduler",
+                      lambda config: SourceScheduler.from_config(config, pipeline_sigmas="flux",
+                                                                 model_timestep_scale=0.001))
+        pipeline = DiffusionPipeline.load(FIXTURES / "flux")
+    objective = DiffusionObjective.from_pipeline(pipeline, SIZE)
+    batch = batch_of(objective, rows=2)
+    key = jax.random.key(13)
+    loss, _ = jax.jit(objective.loss)(objective.variables, batch, Step(0, key))
+    latents = np.asarray(pipeline.autoencoder.encode(to_unit_range(batch["image"])))
+    u, noise = draws(key, latents.shape)
+
+    def mse(shift):
+        sigmas = flow_training_sigmas(shift)[np.floor(u * 1000).astype(np.int64)]
+        t = sigmas.reshape(-1, 1, 1, 1)
+        conditions = {name: batch[name] for name in ("encoder_hidden_states", "pooled_projections", "guidance")}
+        output = np.asarray(pipeline.denoiser((1 - t) * latents + t * noise, sigmas, conditions))
+        return np.mean((output - (noise - latents)) ** 2)
+
+    np.testing.assert_allclose(float(loss), mse(1.0), rtol=1e-4)  # dynamic shifting: the table is unshifted
+    assert abs(float(loss) - mse(3.0)) > 1e-3 * float(loss)  # negative control: the config's static shift
+
+
 def test_dropped_captions_take_the_pipelines_empty_prompt_encoding(pipelines):
     objective = DiffusionObjective.from_pipeline(pipelines["sd15"], SIZE, unconditional_prob=1.0)
     batch = batch_of(objective, rows=2)
@@ -289,7 +313,7 @@ def test_diffusers_reads_the_fine_tuned_unet(tuned_unet, tmp_path):
     ours = np.asarray(saved(x, timesteps, {"encoder_hidden_states": states}))
     with torch.no_grad():
         out = theirs(torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.from_numpy(timesteps),
-                     torch.from_numpy(np.ascontiguousarray(states))).sample
+                     torch.from_numpy(np.array(states))).sample
     np.testing.assert_allclose(out.numpy().transpose(0, 2, 3, 1), ours, atol=1e-4, rtol=0)
 
 
@@ -315,7 +339,7 @@ def test_the_loss_equals_diffusers_training_script_on_the_same_draws(pipelines, 
         network = diffusers.UNet2DConditionModel.from_pretrained(folder / "unet").eval()
         noisy = scheduler.add_noise(x0, eps, indices)
         with torch.no_grad():
-            predicted = network(noisy, indices, torch.from_numpy(batch["encoder_hidden_states"])).sample
+            predicted = network(noisy, indices, torch.from_numpy(np.array(batch["encoder_hidden_states"]))).sample
         target = eps
     else:
         scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(folder / "scheduler")
@@ -325,8 +349,8 @@ def test_the_loss_equals_diffusers_training_script_on_the_same_draws(pipelines, 
         noisy = (1.0 - sigmas) * x0 + sigmas * eps
         with torch.no_grad():
             predicted = network(hidden_states=noisy, timestep=timesteps,
-                                encoder_hidden_states=torch.from_numpy(batch["encoder_hidden_states"]),
-                                pooled_projections=torch.from_numpy(batch["pooled_projections"])).sample
+                                encoder_hidden_states=torch.from_numpy(np.array(batch["encoder_hidden_states"])),
+                                pooled_projections=torch.from_numpy(np.array(batch["pooled_projections"]))).sample
         target = eps - x0
     expected = torch.nn.functional.mse_loss(predicted.float(), target.float()).item()
     np.testing.assert_allclose(float(loss), expected, rtol=1e-4)

@@ -114,7 +114,8 @@ class DiffusionObjective(Objective):
                 f"the pipeline's scheduler is a {type(scheduler).__name__}, which has no training side; "
                 "fine-tuning needs dew.interop.schedulers.SourceScheduler (the source's rebuilt scheduler)")
         height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-        count(height, "image height"), count(width, "image width")
+        height = count(height, "from_pipeline image height")
+        width = count(width, "from_pipeline image width")
         null = {name: np.asarray(value) for name, value in pipeline.prompts.encode_texts([None]).items()}
         conditions = {name: Field(name, value.shape[1:], value.dtype) for name, value in null.items()}
         model, variables = pipeline.denoiser.model, dict(pipeline.denoiser.variables)
