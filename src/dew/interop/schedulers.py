@@ -11,6 +11,9 @@ gives what sampling needs to take that scheduler's steps:
   prediction_type; ``solver``: a Dew solver whose steps are the scheduler's updates;
 - ``initial(latents, sigmas)`` / ``final(x, sigmas)``: the pipeline's unit Gaussian latents as x_T
   in sigma space, and the sample at the grid's last level back in the scheduler's space.
+- ``training_process(train_times)``: the same process with the source's training recipe
+  (``training_example``: its noise table, prediction target and timestep units), which
+  `DiffusionObjective.from_pipeline` fine-tunes with.
 
 Three spaces map into sigma space. DDIM, PNDM and DPM-Solver keep the variance-preserving sample
 alpha x (alpha = 1 / sqrt(1 + sigma^2)); the Euler schedulers keep x itself and hand the network
@@ -41,6 +44,7 @@ import numpy as np
 
 from dew.checks import count
 from dew.diffusion import betas as discrete
+from dew.diffusion.process import Example, UniformTimes
 from dew.sampling.scheduler_solvers import (AncestralEuler, ClipSample, DynamicThreshold, FilteredDDIM,
                                             MultistepDPM)
 from dew.sampling.solvers import DDIM, PNDM, Euler
@@ -247,18 +251,43 @@ class SourceScheduler:
 
     # ------------------------------------------------------------ the discrete table
 
-    def _levels(self) -> np.ndarray:
-        """The sigma-space level of each training timestep (float32, ascending)."""
+    def _betas(self) -> np.ndarray:
+        """The float32 betas of the training timesteps (rescaled to zero terminal SNR when set)."""
         settings = dict(self.settings)
         if settings["trained_betas"] is not None:
             betas = np.asarray(settings["trained_betas"], np.float32)
         else:
             betas = discrete.betas(settings["beta_schedule"], settings["num_train_timesteps"],
                                    settings["beta_start"], settings["beta_end"])
-        zero_snr = settings.get("rescale_betas_zero_snr", False)
-        if zero_snr:
+        if settings.get("rescale_betas_zero_snr", False):
             betas = discrete.rescale_zero_terminal_snr(betas)
-        return discrete.noise_levels(discrete.alphas_cumprod(betas, zero_terminal_snr=zero_snr))
+        return betas
+
+    def _levels(self) -> np.ndarray:
+        """The sigma-space level of each training timestep (float32, ascending)."""
+        zero_snr = dict(self.settings).get("rescale_betas_zero_snr", False)
+        return discrete.noise_levels(discrete.alphas_cumprod(self._betas(), zero_terminal_snr=zero_snr))
+
+    def alphas_cumprod(self) -> np.ndarray:
+        """alpha_bar of each training timestep (float32), as the DDPM scheduler a diffusers training
+        script builds from this config holds it: a zero-SNR table ends in 0 here, not 2^-24."""
+        if self.space == "flow":
+            raise ValueError(f"{self.class_name} is a flow-matching scheduler; it has no alpha_bar table "
+                             "(its training levels are training_sigmas())")
+        return discrete.alphas_cumprod(self._betas())
+
+    def training_sigmas(self) -> np.ndarray:
+        """A flow-matching scheduler's training levels t (float32, descending from 1): its timestep
+        table over ``num_train_timesteps``, shifted by ``shift`` unless shifting is dynamic (diffusers
+        then shifts only the sampling grid, by the image size)."""
+        if self.space != "flow":
+            raise ValueError(f"{self.class_name} is a discrete scheduler; its training table is alphas_cumprod()")
+        s = dict(self.settings)
+        train = s["num_train_timesteps"]
+        t = np.linspace(1, train, train, dtype=np.float32)[::-1] / np.float32(train)
+        if not s["use_dynamic_shifting"]:
+            t = s["shift"] * t / (1 + (s["shift"] - 1) * t)
+        return t.astype(np.float32)
 
     # ------------------------------------------------------------ the grid
 
@@ -466,6 +495,10 @@ class SourceScheduler:
     def process(self) -> SourceProcess:
         return SourceProcess(self)
 
+    def training_process(self, train_times: Any = None) -> SourceProcess:
+        """The process with training timesteps drawn through ``train_times`` (None: uniform)."""
+        return SourceProcess(self, UniformTimes(0.0, 1.0) if train_times is None else train_times)
+
 
 def _expand(a, x):
     a = jnp.asarray(a, jnp.float32)
@@ -474,10 +507,22 @@ def _expand(a, x):
 
 @dataclasses.dataclass(frozen=True)
 class SourceProcess:
-    """The sampling side of a `dew.diffusion.Process` for a source scheduler: its grid, its x_T and a
-    sigma-space denoiser that calls the network in the scheduler's units."""
+    """A `dew.diffusion.Process` for a source scheduler. Sampling: its grid, its x_T and a sigma-space
+    denoiser that calls the network in the scheduler's units. Training: the source's own recipe
+    (diffusers' training scripts), so a fine-tuned network keeps the schedule it was trained on.
+
+    Training draws an index into the scheduler's training table, ``floor(u * num_train_timesteps)``
+    with u from ``train_times`` (uniform: the discrete scripts' randint; `LogitNormalTimes()` is the
+    SD3 scripts' "logit_normal" weighting scheme). A discrete scheduler noises x0 to
+    ``sqrt(alpha_bar) x0 + sqrt(1 - alpha_bar) eps`` (DDPM's add_noise) at that integer timestep
+    and regresses eps, the velocity ``sqrt(alpha_bar) eps - sqrt(1 - alpha_bar) x0`` (get_velocity)
+    or x0, per prediction_type; a flow-matching one noises to ``(1 - t) x0 + t eps`` at the table's
+    t and regresses ``eps - x0``, with timestep ``t * num_train_timesteps``. The network is called
+    on x_t with the timestep times the pipeline's ``model_timestep_scale``, as sampling calls it.
+    """
 
     scheduler: SourceScheduler
+    train_times: Any = UniformTimes(0.0, 1.0)
 
     def sigmas(self, steps: int) -> jax.Array:
         return self.scheduler.grid(steps)
@@ -493,6 +538,40 @@ class SourceProcess:
 
     def denoiser(self, model, variables, conditions=None) -> SourceDenoiser:
         return SourceDenoiser(model, self.scheduler, variables, conditions)
+
+    # ------------------------------------------------------------ training side
+
+    def training_timesteps(self, key, batch: int) -> jax.Array:
+        """[batch] float32 timesteps in the scheduler's units, drawn from its training table."""
+        train = self.scheduler._get("num_train_timesteps")
+        u = self.train_times(key, batch, None)
+        index = jnp.clip(jnp.floor(u * train).astype(jnp.int32), 0, train - 1)
+        if self.scheduler.space == "flow":
+            return jnp.asarray(self.scheduler.training_sigmas())[index] * train
+        return index.astype(jnp.float32)
+
+    def add_noise(self, x0, noise, timesteps) -> Example:
+        """x0 noised with ``noise`` at ``timesteps`` ([B], the scheduler's units), with the regression
+        target of its prediction type and unit weights."""
+        timesteps = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32), x0.shape[:1])
+        if self.scheduler.space == "flow":
+            t = _expand(timesteps / self.scheduler._get("num_train_timesteps"), x0)
+            return Example((1.0 - t) * x0 + t * noise, timesteps, noise - x0, jnp.ones_like(timesteps))
+        alpha_bar = jnp.asarray(self.scheduler.alphas_cumprod())[timesteps.astype(jnp.int32)]
+        a, s = _expand(jnp.sqrt(alpha_bar), x0), _expand(jnp.sqrt(1.0 - alpha_bar), x0)
+        prediction = self.scheduler.prediction
+        target = {"epsilon": noise, "v_prediction": a * noise - s * x0, "sample": x0}[prediction]
+        return Example(a * x0 + s * noise, timesteps, target, jnp.ones_like(timesteps))
+
+    def training_example(self, key, x0) -> Example:
+        """Timesteps from the first half of ``split(key)``, Gaussian noise from the second."""
+        time_key, noise_key = jax.random.split(key)
+        noise = jax.random.normal(noise_key, x0.shape, x0.dtype)
+        return self.add_noise(x0, noise, self.training_timesteps(time_key, x0.shape[0]))
+
+    def model_input(self, x_t, timesteps):
+        """(x_in, network timesteps): x_t as it is, the timesteps times ``model_timestep_scale``."""
+        return x_t, timesteps * self.scheduler.model_timestep_scale
 
 
 @jax.tree_util.register_pytree_node_class

@@ -331,7 +331,8 @@ class LoRADecoder:
     def init_factors(self, params: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
         """Fresh factors for the decoder's ``params``, one key per target (with the kernels' logical
         axis names where the params carry them, the rank axis unnamed)."""
-        flat = traverse_util.flatten_dict(dict(params), sep="/")
+        keys = _tuple_keys(params)
+        flat = {name: value for name, (_, value) in keys.items()}
         self._check_targets(flat)
         pairs = [(f"{factor_path(path)}", (path,)) for path in self.targets] + list(self.experts)
         factors = {}
@@ -345,9 +346,11 @@ class LoRADecoder:
                 names = tuple(first.names)
                 a = meta.Partitioned(a, names=names[:-1] + (None,), mesh=first.mesh)
                 b = meta.Partitioned(b, names=names[:-2] + (None, names[-1]), mesh=first.mesh)
-            factors[f"{where}/lora_A"] = a
-            factors[f"{where}/lora_B"] = b
-        return traverse_util.unflatten_dict(factors, sep="/")
+            parent = keys[kernels[0]][0][:-1]  # the kernel's module, as the params tree spells it
+            module = parent if "/".join(parent) == where else tuple(where.split("/"))
+            factors[module + ("lora_A",)] = a
+            factors[module + ("lora_B",)] = b
+        return traverse_util.unflatten_dict(factors)
 
     def _check_targets(self, flat: Mapping[str, Any]) -> None:
         missing = [path for path in self.targets + tuple(k for _, kernels in self.experts for k in kernels)
@@ -416,8 +419,9 @@ def merge(base: Mapping[str, Any], factors: Mapping[str, Any], scaling: float,
     """``base`` params with each adapted kernel replaced by ``W + scaling * A B`` (in W's dtype):
     the projections' kernels (unless ``dense=False``) and the expert kernels of ``experts``, each
     taking its slice of its factor pair's update along the output axis."""
-    flat = traverse_util.flatten_dict(dict(base), sep="/")
-    flat_factors = traverse_util.flatten_dict(dict(factors), sep="/")
+    keys = _tuple_keys(base)
+    flat = {name: value for name, (_, value) in keys.items()}
+    flat_factors = {name: value for name, (_, value) in _tuple_keys(factors).items()}
 
     def add(path: str, delta: jax.Array) -> None:
         flat[path] = (flat[path].astype(jnp.float32) + delta).astype(flat[path].dtype)
@@ -435,4 +439,10 @@ def merge(base: Mapping[str, Any], factors: Mapping[str, Any], scaling: float,
             width = flat[path].shape[-1]
             add(path, delta[..., start:start + width])
             start += width
-    return traverse_util.unflatten_dict(flat, sep="/")
+    return traverse_util.unflatten_dict({keys[name][0]: value for name, value in flat.items()})
+
+
+def _tuple_keys(tree: Mapping[str, Any]) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """A params tree's leaves by "/"-joined path, each with its key tuple, so a module whose own
+    name holds a "/" (a UNet's ``down_blocks_0/attentions_0``) keeps its place when rebuilt."""
+    return {"/".join(key): (key, value) for key, value in traverse_util.flatten_dict(dict(tree)).items()}

@@ -76,7 +76,8 @@ class DiffusionObjective(Objective):
         if not 0.0 <= unconditional_prob <= 1.0:
             raise ValueError(f"unconditional_prob must be in [0, 1]; got {unconditional_prob}.")
         self.model = model
-        self.process = as_process(process)
+        # a published scheduler's process (dew.interop.schedulers.SourceProcess) trains as it is
+        self.process = process if hasattr(process, "training_example") else as_process(process)
         self.preset = process
         self.inputs = inputs
         self.sample_field = inputs.fields[0]
@@ -86,8 +87,59 @@ class DiffusionObjective(Objective):
         self.preview_count = preview_count
         self.preview_steps = preview_steps
         self.evaluation_steps = evaluation_steps
+        self.starting_variables: dict[str, Any] | None = None  # a loaded denoiser's weights (from_pipeline)
+        self.null_conditions: dict[str, np.ndarray] = {}  # what a dropped condition becomes (default zeros)
+        self.prompts: Any = None  # the prompt encoder conditions_for reads (from_pipeline)
         if self.autoencoder is not None:
             self._check_latents_fit_the_backbone()
+
+    @classmethod
+    def from_pipeline(cls, pipeline: Any, image_size: int | tuple[int, int], *, lora: Any = None,
+                      key: jax.Array | None = None, train_times: Any = None, unconditional_prob: float = 0.0,
+                      ema_decay: float | None = None) -> DiffusionObjective:
+        """Fine-tuning of a loaded diffusers pipeline's denoiser (`dew.interop.diffusion_pipelines.
+        DiffusionPipeline`) with the source's own training recipe: its scheduler's noise table and
+        prediction type, timesteps in its units (`SourceProcess`), its VAE's scaled latents.
+
+        Batches hold "image" (uint8 ``image_size`` pictures) and the denoiser's conditions, which
+        `conditions_for(captions)` computes with the pipeline's frozen text encoders. A dropped row
+        (``unconditional_prob``, diffusers' ``proportion_empty_prompts``) takes the pipeline's
+        unconditional encoding. ``lora`` (a `dew.nn.adapters.LoRA`) trains low-rank factors on the
+        projections it names, by their parameter paths (``("to_q", "to_k", "to_v", "to_out_0")`` are
+        the attention projections), instead of every weight; the factors are drawn with ``key``.
+        ``train_times`` draws the position in the training table (None: uniform, the discrete
+        scripts' randint; `LogitNormalTimes()` is SD3's "logit_normal" scheme).
+        """
+        scheduler = pipeline.scheduler
+        if not hasattr(scheduler, "training_process"):
+            raise TypeError(
+                f"the pipeline's scheduler is a {type(scheduler).__name__}, which has no training side; "
+                "fine-tuning needs dew.interop.schedulers.SourceScheduler (the source's rebuilt scheduler)")
+        height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        height = count(height, "from_pipeline image height")
+        width = count(width, "from_pipeline image width")
+        null = {name: np.asarray(value) for name, value in pipeline.prompts.encode_texts([None]).items()}
+        conditions = {name: Field(name, value.shape[1:], value.dtype) for name, value in null.items()}
+        model, variables = pipeline.denoiser.model, dict(pipeline.denoiser.variables)
+        if lora is not None:
+            model, variables = _with_lora(model, variables, lora, key)
+        objective = cls(model, scheduler.training_process(train_times),
+                        InputSpec(Field("image", (height, width, 3)), conditions=conditions),
+                        ema_decay=ema_decay, unconditional_prob=unconditional_prob, autoencoder=pipeline.autoencoder)
+        objective.starting_variables = variables
+        objective.null_conditions = null
+        objective.prompts = pipeline.prompts
+        return objective
+
+    def conditions_for(self, captions: list[str]) -> dict[str, np.ndarray]:
+        """The denoiser's conditions for ``captions`` from the pipeline's frozen text encoders, as
+        batch columns (one row per caption)."""
+        if self.prompts is None:
+            raise ValueError("conditions_for reads a pipeline's prompt encoder; build the objective with "
+                             "DiffusionObjective.from_pipeline(pipeline, ...)")
+        if isinstance(captions, str) or not captions:
+            raise ValueError(f"conditions_for takes a non-empty list of captions; got {captions!r}")
+        return {name: np.asarray(value) for name, value in self.prompts.encode_texts(list(captions)).items()}
 
     def _check_latents_fit_the_backbone(self) -> None:
         """Raise now, before anything compiles, when the backbone cannot take the autoencoder's latents."""
@@ -131,9 +183,11 @@ class DiffusionObjective(Objective):
 
     @property
     def variables(self) -> dict[str, Any] | None:
-        """The text encoders' weights, which a trainer passes to `init` as arguments rather than
-        baking them into the compiled init as constants (None without text conditions)."""
-        return {field.collection: field.encoder.variables for field in self._text_conditions()} or None
+        """The starting weights (a loaded denoiser's) and the text encoders' weights, which a trainer
+        passes to `init` as arguments rather than baking them into the compiled init as constants
+        (None without either)."""
+        encoders = {field.collection: field.encoder.variables for field in self._text_conditions()}
+        return {**(self.starting_variables or {}), **encoders} or None
 
     @property
     def frozen_collections(self) -> tuple[str, ...]:
@@ -197,7 +251,9 @@ class DiffusionObjective(Objective):
                 dropped[name] = jnp.where(drop, -1, value)
             else:
                 mask = drop.reshape((rows,) + (1,) * (value.ndim - 1))
-                dropped[name] = jnp.where(mask, jnp.zeros_like(value), value)
+                null = self.null_conditions.get(name)
+                null = jnp.zeros_like(value) if null is None else jnp.asarray(null, value.dtype)
+                dropped[name] = jnp.where(mask, null, value)
         return dropped
 
     def _errors(self, variables, batch, key, drop: bool):
@@ -300,6 +356,26 @@ class DiffusionObjective(Objective):
             inputs = settings["inputs"]
             settings["inputs"] = InputSpec(*inputs.fields, conditions={**inputs.conditions, condition.key: condition})
         return cls(model, **settings)
+
+
+def _with_lora(model: Any, variables: dict[str, Any], lora: Any, key: jax.Array | None) -> tuple[Any, dict[str, Any]]:
+    """``model`` with low-rank adapters on the kernels of the projections ``lora`` selects (by the
+    parameter path, "/" read as "."), and its variables: fresh factors over the frozen weights."""
+    from flax import traverse_util
+
+    from dew.nn.adapters import LoRADecoder
+
+    if key is None:
+        raise ValueError("LoRA factors are drawn at random: pass key= to from_pipeline")
+    flat = traverse_util.flatten_dict(dict(variables["params"]), sep="/")
+    targets = tuple(path for path in sorted(flat) if path.endswith("/kernel") and np.ndim(flat[path]) == 2
+                    and lora.selects(path[: -len("/kernel")].replace("/", "."), ()))
+    if not targets:
+        modules = sorted({path.rsplit("/", 2)[-2] for path in flat if path.endswith("/kernel")})
+        raise ValueError(f"LoRA modules={lora.modules!r} select no projection of {type(model).__name__}; "
+                         f"its projections end in {modules[:12]}")
+    adapted = LoRADecoder(model, lora, targets)
+    return adapted, {"params": adapted.init_factors(variables["params"], key), "base": variables["params"]}
 
 
 # --- a diffusion run described in one place ---------------------------------------------------------
