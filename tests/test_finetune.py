@@ -16,7 +16,6 @@ import pytest
 from flax import traverse_util
 
 from dew.data.dataset import Dataset
-from dew.interop import diffusion_pipelines
 from dew.interop.diffusion_pipelines import DiffusionPipeline
 from dew.interop.schedulers import SourceScheduler
 from dew.interop.unet_condition import PretrainedUNet
@@ -27,7 +26,6 @@ from dew.pixels import to_unit_range
 from dew.training.trainer import Trainer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "pipelines"
-SOURCE_SCHEDULERS = ("PNDMScheduler", "EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler")
 CAPTIONS = ["a red square", "a blue circle", "a green stripe", "a white dot"]
 SIZE = 16  # pixels: the fixtures' VAEs halve it to 8x8 latents
 SD_DISCRETE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
@@ -35,11 +33,8 @@ SD_DISCRETE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0
 
 @pytest.fixture(scope="module")
 def pipelines():
-    """The SD 1.5 and SD3 fixtures, read with the source schedulers registered."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name in SOURCE_SCHEDULERS:
-            patch.setitem(diffusion_pipelines.SCHEDULERS, name, SourceScheduler.from_config)
-        return {family: DiffusionPipeline.load(FIXTURES / family) for family in ("sd15", "sd3")}
+    """The SD 1.5 and SD3 fixtures, with their rebuilt source schedulers."""
+    return {family: DiffusionPipeline.load(FIXTURES / family) for family in ("sd15", "sd3")}
 
 
 def pictures(rows=8):
@@ -181,11 +176,8 @@ def test_flux_trains_on_the_unshifted_table_and_passes_timesteps_over_1000():
 
 
 def test_flux_loss_calls_the_transformer_at_unshifted_levels_over_1000(pipelines):
-    with pytest.MonkeyPatch.context() as patch:  # FluxPipeline passes its transformer timesteps / 1000
-        patch.setitem(diffusion_pipelines.SCHEDULERS, "FlowMatchEulerDiscreteScheduler",
-                      lambda config: SourceScheduler.from_config(config, pipeline_sigmas="flux",
-                                                                 model_timestep_scale=0.001))
-        pipeline = DiffusionPipeline.load(FIXTURES / "flux")
+    pipeline = DiffusionPipeline.load(FIXTURES / "flux")  # FluxPipeline passes its transformer timesteps / 1000
+    assert pipeline.scheduler.model_timestep_scale == 0.001
     objective = DiffusionObjective.from_pipeline(pipeline, SIZE)
     batch = batch_of(objective, rows=2)
     key = jax.random.key(13)
