@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,13 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dew.files import staged_directory
-from dew.hub import local_directory
-from dew.interop.safetensors_io import DIFFUSERS_FILE, SafetensorsFile, save_file
+from dew.interop.diffusers_models import check_wrapped, read_model_folder, write_model_folder
+from dew.interop.safetensors_io import DIFFUSERS_STEM, open_checkpoint
 from dew.interop.weight_map import expected_params, read_params, torch_tensors
 from dew.nn.vae import AutoencoderKL
 
-CONFIG_FILE = "config.json"
 CLASS_NAME = "AutoencoderKL"
 
 # config.json settings Dew's AutoencoderKL takes as they are, with diffusers' defaults for absent keys
@@ -140,31 +137,19 @@ class PretrainedAutoencoder:
     def load(cls, directory: str | Path, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
              revision: str | None = None) -> "PretrainedAutoencoder":
         """Read a diffusers AutoencoderKL directory (or a Hub id's snapshot in the local cache)."""
-        path = local_directory(directory, revision=revision, what="autoencoder")
-        config_path = path / CONFIG_FILE
-        weights_path = path / DIFFUSERS_FILE
-        if not config_path.is_file() or not weights_path.is_file():
-            present = sorted(p.name for p in path.iterdir())[:12] if path.is_dir() else []
-            raise FileNotFoundError(
-                f"{path} is not a diffusers AutoencoderKL directory: it needs {CONFIG_FILE} and "
-                f"{DIFFUSERS_FILE} and holds {present}. For a whole pipeline, point at its vae/ folder"
-            )
-        config = json.loads(config_path.read_text())
+        path, config, config_path = read_model_folder(directory, revision=revision, what="autoencoder",
+                                                      class_name=CLASS_NAME, folder="vae")
         model = AutoencoderKL(**model_kwargs(config, str(config_path)), dtype=dtype, param_dtype=param_dtype)
-        checkpoint = SafetensorsFile(weights_path)
+        checkpoint = open_checkpoint(path, stem=DIFFUSERS_STEM)
         checkpoint = {_modern_name(name): checkpoint[name] for name in checkpoint}
         params = read_params(checkpoint, expected_params(model, _example(model)), diffusers_name,
-                             where=str(weights_path), param_dtype=param_dtype)
+                             where=str(path), param_dtype=param_dtype)
         return cls(model=model, variables={"params": params}, config=config)
 
     @classmethod
     def from_model(cls, model: AutoencoderKL, variables: Mapping[str, Any]) -> "PretrainedAutoencoder":
         """Wrap an AutoencoderKL trained in Dew, to encode with it or save it for diffusers."""
-        if not isinstance(model, AutoencoderKL):
-            raise TypeError(f"PretrainedAutoencoder wraps an AutoencoderKL; got {type(model).__name__}")
-        if not isinstance(variables, Mapping) or "params" not in variables:
-            got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-            raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
+        check_wrapped("PretrainedAutoencoder", AutoencoderKL, model, variables)
         return cls(model=model, variables=variables, config=diffusers_config(model))
 
     def save(self, directory: str | Path, *, overwrite: bool = False, dtype: Any = None) -> Path:
@@ -173,14 +158,10 @@ class PretrainedAutoencoder:
         Files are written to a hidden sibling directory renamed into place at the end; a non-empty
         ``directory`` is replaced only with ``overwrite=True``.
         """
-        dest = Path(directory).expanduser()
         expected = expected_params(self.model, _example(self.model))
         tensors = torch_tensors(self.variables["params"], expected, diffusers_name, dtype=dtype)
-        config = {**self.config, **diffusers_config(self.model)}
-        with staged_directory(dest, overwrite=overwrite) as staging:
-            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, staging / DIFFUSERS_FILE, metadata={"format": "pt"})
-        return dest
+        return write_model_folder(directory, {**self.config, **diffusers_config(self.model)}, tensors,
+                                  overwrite=overwrite)
 
     # --- the Autoencoder protocol -----------------------------------------------------------------
 

@@ -11,8 +11,6 @@ from_pretrained`` reads it. Calling the bundle runs the model on plain latents [
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,13 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dew.files import staged_directory
-from dew.hub import local_directory
-from dew.interop.safetensors_io import DIFFUSERS_FILE, DIFFUSERS_INDEX, DIFFUSERS_STEM, open_checkpoint, save_file
+from dew.interop.diffusers_models import call_denoiser, check_wrapped, read_model_folder, write_model_folder
+from dew.interop.safetensors_io import DIFFUSERS_STEM, open_checkpoint
 from dew.interop.weight_map import expected_params, read_params, torch_tensors
 from dew.nn.backbones.flux_transformer import FluxTransformer
 
-CONFIG_FILE = "config.json"
 CLASS_NAME = "FluxTransformer2DModel"
 
 # config.json settings FluxTransformer takes by the same name, with diffusers' defaults for absent keys
@@ -90,12 +86,6 @@ def example_inputs(model: FluxTransformer) -> tuple[jax.Array, jax.Array, dict[s
     return jnp.zeros((1, 2, 2, model.in_channels // 4)), jnp.zeros((1,)), conditions
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _apply(model: FluxTransformer, variables: Any, x: jax.Array, timesteps: jax.Array,
-           conditions: Mapping[str, jax.Array]) -> jax.Array:
-    return model.apply(variables, x, timesteps, conditions)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PretrainedFluxTransformer:
     """A `FluxTransformer` with its weights: FLUX.1's denoiser.
@@ -114,16 +104,8 @@ class PretrainedFluxTransformer:
     def load(cls, directory: str | Path, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
              revision: str | None = None) -> "PretrainedFluxTransformer":
         """Read a diffusers FluxTransformer2DModel directory (or a Hub id's snapshot in the local cache)."""
-        path = local_directory(directory, revision=revision, what="Flux transformer")
-        config_path = path / CONFIG_FILE
-        if not config_path.is_file():
-            present = sorted(p.name for p in path.iterdir())[:12] if path.is_dir() else []
-            raise FileNotFoundError(
-                f"{path} is not a diffusers {CLASS_NAME} directory: it needs {CONFIG_FILE} and {DIFFUSERS_FILE} "
-                f"(or {DIFFUSERS_INDEX} with its shards) and holds {present}. For a whole pipeline, point at its "
-                "transformer/ folder"
-            )
-        config = json.loads(config_path.read_text())
+        path, config, config_path = read_model_folder(directory, revision=revision, what="Flux transformer",
+                                                      class_name=CLASS_NAME, folder="transformer")
         model = FluxTransformer(**model_kwargs(config, str(config_path)), dtype=dtype, param_dtype=param_dtype)
         checkpoint = open_checkpoint(path, stem=DIFFUSERS_STEM)
         params = read_params(checkpoint, expected_params(model, *example_inputs(model)), diffusers_name,
@@ -133,11 +115,7 @@ class PretrainedFluxTransformer:
     @classmethod
     def from_model(cls, model: FluxTransformer, variables: Mapping[str, Any]) -> "PretrainedFluxTransformer":
         """Wrap a FluxTransformer trained in Dew, to run it or save it for diffusers."""
-        if not isinstance(model, FluxTransformer):
-            raise TypeError(f"PretrainedFluxTransformer wraps a FluxTransformer; got {type(model).__name__}")
-        if not isinstance(variables, Mapping) or "params" not in variables:
-            got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-            raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
+        check_wrapped("PretrainedFluxTransformer", FluxTransformer, model, variables)
         return cls(model=model, variables=variables, config=diffusers_config(model))
 
     def save(self, directory: str | Path, *, overwrite: bool = False, dtype: Any = None) -> Path:
@@ -146,15 +124,11 @@ class PretrainedFluxTransformer:
         Files are written to a hidden sibling directory renamed into place at the end; a non-empty
         ``directory`` is replaced only with ``overwrite=True``.
         """
-        dest = Path(directory).expanduser()
         expected = expected_params(self.model, *example_inputs(self.model))
         tensors = torch_tensors(self.variables["params"], expected, diffusers_name, dtype=dtype)
-        config = {**self.config, **diffusers_config(self.model)}
-        with staged_directory(dest, overwrite=overwrite) as staging:
-            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, staging / DIFFUSERS_FILE, metadata={"format": "pt"})
-        return dest
+        return write_model_folder(directory, {**self.config, **diffusers_config(self.model)}, tensors,
+                                  overwrite=overwrite)
 
     def __call__(self, x: jax.Array, timesteps: jax.Array, conditions: Mapping[str, jax.Array]) -> jax.Array:
         """The flow velocity [B, H, W, C] for latents ``x`` at ``timesteps`` (t / 1000), jitted."""
-        return _apply(self.model, self.variables, x, timesteps, dict(conditions))
+        return call_denoiser(self.model, self.variables, x, timesteps, conditions)

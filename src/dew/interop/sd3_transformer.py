@@ -11,8 +11,6 @@ against the checkpoint's on load and writes it on save. Calling the bundle runs 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,13 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.files import staged_directory
-from dew.hub import local_directory
-from dew.interop.safetensors_io import DIFFUSERS_FILE, DIFFUSERS_INDEX, DIFFUSERS_STEM, open_checkpoint, save_file
+from dew.interop.diffusers_models import call_denoiser, check_wrapped, read_model_folder, write_model_folder
+from dew.interop.safetensors_io import DIFFUSERS_STEM, open_checkpoint
 from dew.interop.weight_map import expected_params, read_params, torch_tensors
 from dew.nn.backbones.sd3_transformer import QK_NORMS, SD3Transformer, grid_positions, position_table
 
-CONFIG_FILE = "config.json"
 CLASS_NAME = "SD3Transformer2DModel"
 POSITIONS = "pos_embed.pos_embed"  # the persistent buffer diffusers saves with the weights
 
@@ -134,12 +130,6 @@ def _check_positions(checkpoint: Mapping[str, np.ndarray], model: SD3Transformer
             )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _apply(model: SD3Transformer, variables: Any, x: jax.Array, timesteps: jax.Array,
-           conditions: Mapping[str, jax.Array]) -> jax.Array:
-    return model.apply(variables, x, timesteps, conditions)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PretrainedSD3Transformer:
     """An `SD3Transformer` with its weights, read from or written to diffusers' layout.
@@ -158,16 +148,8 @@ class PretrainedSD3Transformer:
     def load(cls, directory: str | Path, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
              revision: str | None = None) -> "PretrainedSD3Transformer":
         """Read a diffusers SD3Transformer2DModel directory (or a Hub id's snapshot in the local cache)."""
-        path = local_directory(directory, revision=revision, what="SD3 transformer")
-        config_path = path / CONFIG_FILE
-        if not config_path.is_file() or not ((path / DIFFUSERS_FILE).is_file() or (path / DIFFUSERS_INDEX).is_file()):
-            present = sorted(p.name for p in path.iterdir())[:12] if path.is_dir() else []
-            raise FileNotFoundError(
-                f"{path} is not a diffusers {CLASS_NAME} directory: it needs {CONFIG_FILE} and {DIFFUSERS_FILE} "
-                f"(or {DIFFUSERS_INDEX} with its shards) and holds {present}. For a whole pipeline, point at "
-                "its transformer/ folder"
-            )
-        config = json.loads(config_path.read_text())
+        path, config, config_path = read_model_folder(directory, revision=revision, what="SD3 transformer",
+                                                      class_name=CLASS_NAME, folder="transformer")
         model = SD3Transformer(**model_kwargs(config, str(config_path)), dtype=dtype, param_dtype=param_dtype)
         model.check_settings()
         checkpoint = open_checkpoint(path, stem=DIFFUSERS_STEM)
@@ -179,11 +161,7 @@ class PretrainedSD3Transformer:
     @classmethod
     def from_model(cls, model: SD3Transformer, variables: Mapping[str, Any]) -> "PretrainedSD3Transformer":
         """Wrap an SD3Transformer trained or fine-tuned in Dew, to save it for diffusers."""
-        if not isinstance(model, SD3Transformer):
-            raise TypeError(f"PretrainedSD3Transformer wraps an SD3Transformer; got {type(model).__name__}")
-        if not isinstance(variables, Mapping) or "params" not in variables:
-            got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-            raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
+        check_wrapped("PretrainedSD3Transformer", SD3Transformer, model, variables)
         return cls(model=model, variables=variables, config=diffusers_config(model))
 
     def save(self, directory: str | Path, *, overwrite: bool = False, dtype: Any = None) -> Path:
@@ -192,17 +170,12 @@ class PretrainedSD3Transformer:
         Files are written to a hidden sibling directory renamed into place at the end; a non-empty
         ``directory`` is replaced only with ``overwrite=True``.
         """
-        dest = Path(directory).expanduser()
         expected = expected_params(self.model, *example_inputs(self.model))
         tensors = torch_tensors(self.variables["params"], expected, diffusers_name, dtype=dtype)
         tensors[POSITIONS] = _positions(self.model).astype(jnp.dtype(dtype) if dtype is not None else np.float32)
-        config = {**self.config, **diffusers_config(self.model)}
-        with staged_directory(dest, overwrite=overwrite) as staging:
-            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, staging / DIFFUSERS_FILE, metadata={"format": "pt"})
-        return dest
+        return write_model_folder(directory, {**self.config, **diffusers_config(self.model)}, tensors,
+                                  overwrite=overwrite)
 
     def __call__(self, x: jax.Array, timesteps: jax.Array, conditions: Mapping[str, Any]) -> jax.Array:
         """The velocity for latents x [B, H, W, C] at ``timesteps`` [B] (sigma * 1000), jitted."""
-        conditions = {key: jnp.asarray(value) for key, value in conditions.items()}
-        return _apply(self.model, self.variables, jnp.asarray(x), jnp.asarray(timesteps, jnp.float32), conditions)
+        return call_denoiser(self.model, self.variables, x, timesteps, conditions)

@@ -12,8 +12,6 @@ file metadata such as ``sample_size``) carried along unread; anything else is re
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,13 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dew.files import staged_directory
-from dew.hub import local_directory
-from dew.interop.safetensors_io import DIFFUSERS_FILE, DIFFUSERS_INDEX, DIFFUSERS_STEM, open_checkpoint, save_file
+from dew.interop.diffusers_models import call_denoiser, check_wrapped, read_model_folder, write_model_folder
+from dew.interop.safetensors_io import DIFFUSERS_STEM, open_checkpoint
 from dew.interop.weight_map import expected_params, read_params, torch_tensors
 from dew.nn.backbones.unet_condition import UNet2DCondition
 
-CONFIG_FILE = "config.json"
 CLASS_NAME = "UNet2DConditionModel"
 
 # config.json keys Dew's UNet2DCondition takes as they are, with diffusers' defaults for absent keys
@@ -137,12 +133,6 @@ def _example(model: UNet2DCondition) -> tuple[jax.Array, jax.Array, dict[str, ja
     return jnp.zeros((1, side, side, model.in_channels), jnp.float32), jnp.zeros((1,), jnp.float32), conditions
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _apply(model: UNet2DCondition, variables: Any, x: jax.Array, timesteps: jax.Array,
-           conditions: Mapping[str, jax.Array]) -> jax.Array:
-    return model.apply(variables, x, timesteps, conditions)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PretrainedUNet:
     """A `UNet2DCondition` with its weights, read from or written as a diffusers folder.
@@ -162,30 +152,17 @@ class PretrainedUNet:
     def load(cls, directory: str | Path, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
              revision: str | None = None) -> "PretrainedUNet":
         """Read a diffusers UNet2DConditionModel directory (or a Hub id's snapshot in the local cache)."""
-        path = local_directory(directory, revision=revision, what="UNet")
-        config_path = path / CONFIG_FILE
-        weights = [path / name for name in (DIFFUSERS_FILE, DIFFUSERS_INDEX) if (path / name).is_file()]
-        if not config_path.is_file() or not weights:
-            present = sorted(p.name for p in path.iterdir())[:12] if path.is_dir() else []
-            raise FileNotFoundError(
-                f"{path} is not a diffusers {CLASS_NAME} directory: it needs {CONFIG_FILE} and "
-                f"{DIFFUSERS_FILE} (or {DIFFUSERS_INDEX} with its shards) and holds {present}. For a "
-                "whole pipeline, point at its unet/ folder"
-            )
-        config = json.loads(config_path.read_text())
+        path, config, config_path = read_model_folder(directory, revision=revision, what="UNet",
+                                                      class_name=CLASS_NAME, folder="unet")
         model = UNet2DCondition(**model_kwargs(config, str(config_path)), dtype=dtype, param_dtype=param_dtype)
         params = read_params(open_checkpoint(path, stem=DIFFUSERS_STEM), expected_params(model, *_example(model)),
-                             diffusers_name, where=str(weights[-1]), param_dtype=param_dtype)
+                             diffusers_name, where=str(path), param_dtype=param_dtype)
         return cls(model=model, variables={"params": params}, config=config)
 
     @classmethod
     def from_model(cls, model: UNet2DCondition, variables: Mapping[str, Any]) -> "PretrainedUNet":
         """Wrap a UNet2DCondition trained in Dew, to save it for diffusers."""
-        if not isinstance(model, UNet2DCondition):
-            raise TypeError(f"PretrainedUNet wraps a UNet2DCondition; got {type(model).__name__}")
-        if not isinstance(variables, Mapping) or "params" not in variables:
-            got = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
-            raise ValueError(f"variables must be the Flax mapping with a 'params' collection; got {got}")
+        check_wrapped("PretrainedUNet", UNet2DCondition, model, variables)
         return cls(model=model, variables=variables, config=diffusers_config(model))
 
     def save(self, directory: str | Path, *, overwrite: bool = False, dtype: Any = None) -> Path:
@@ -194,16 +171,11 @@ class PretrainedUNet:
         Files are written to a hidden sibling directory renamed into place at the end; a non-empty
         ``directory`` is replaced only with ``overwrite=True``.
         """
-        dest = Path(directory).expanduser()
         expected = expected_params(self.model, *_example(self.model))
         tensors = torch_tensors(self.variables["params"], expected, diffusers_name, dtype=dtype)
-        config = {**self.config, **diffusers_config(self.model)}
-        with staged_directory(dest, overwrite=overwrite) as staging:
-            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            save_file(tensors, staging / DIFFUSERS_FILE, metadata={"format": "pt"})
-        return dest
+        return write_model_folder(directory, {**self.config, **diffusers_config(self.model)}, tensors,
+                                  overwrite=overwrite)
 
     def __call__(self, x: jax.Array, timesteps: jax.Array, conditions: Mapping[str, Any]) -> jax.Array:
         """The model's prediction for latents x [B, H, W, C] at ``timesteps`` [B] (0..999)."""
-        conditions = {key: jnp.asarray(value) for key, value in conditions.items()}
-        return _apply(self.model, self.variables, jnp.asarray(x), jnp.asarray(timesteps, jnp.float32), conditions)
+        return call_denoiser(self.model, self.variables, x, timesteps, conditions)
