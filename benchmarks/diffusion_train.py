@@ -450,10 +450,7 @@ def worker(config: dict) -> harness.Runner:
             return DewTraining(np.load(workdir / "batches.npy"), config["loss_steps"], config["last"],
                                config["window"], workdir, config["sample_steps"])
         return DewSampling(workdir, config["sample_steps"])
-    import torch
-
-    if config["threads"] is not None:
-        torch.set_num_threads(config["threads"])
+    harness.set_peer_threads(config)
     defaults = config["threads"] is None and not config.get("compile")
     if config["part"] == "train":
         loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP

@@ -59,6 +59,15 @@ def hardware() -> str:
     return f"{platform.processor() or platform.machine()}, {cores()} cores"
 
 
+def set_peer_threads(config: dict) -> None:
+    """Set torch's intra-op thread count to the configuration's ``threads`` (None: torch's default,
+    one per core), in the peer's own process before it builds anything."""
+    if config["threads"] is not None:
+        import torch
+
+        torch.set_num_threads(config["threads"])
+
+
 def timed_calls(call: Callable[[], Any], calls: int) -> float:
     """Wall seconds of `calls` calls of `call` (each one waiting for its own result)."""
     start = time.perf_counter()

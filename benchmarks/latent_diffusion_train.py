@@ -251,10 +251,7 @@ def worker(config: dict) -> harness.Runner:
     workdir = Path(config["workdir"])
     if config["side"] == "dew":
         return DewTraining(workdir, config["loss_steps"], config["last"], config["window"])
-    import torch
-
-    if config["threads"] is not None:
-        torch.set_num_threads(config["threads"])
+    harness.set_peer_threads(config)
     loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP
     return TorchTraining(workdir, loss_steps, config["last"], config["window"], config.get("compile", False))
 

@@ -263,10 +263,7 @@ def worker(config: dict) -> harness.Runner:
         return DewDecoding(workdir, batch, new)
     if config["side"] == "floor":
         return MatmulFloor(workdir, batch, new, config["bandwidth_mb"])
-    import torch
-
-    if config["threads"] is not None:
-        torch.set_num_threads(config["threads"])
+    harness.set_peer_threads(config)
     return TransformersDecoding(workdir, batch, new, save=config["threads"] is None)
 
 

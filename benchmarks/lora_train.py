@@ -138,10 +138,7 @@ def worker(config: dict) -> harness.Runner:
     loss_steps = config["loss_steps"] if config.get("loss_run", config["side"] != "torch") else WARMUP
     if config["side"] in ("dew", "dew-full"):
         return DewSide(workdir, batches, loss_steps, config["window"], full=config["side"] == "dew-full")
-    import torch
-
-    if config["threads"] is not None:
-        torch.set_num_threads(config["threads"])
+    harness.set_peer_threads(config)
     return TorchSide(workdir, batches, loss_steps, config["window"], config.get("compile", False))
 
 

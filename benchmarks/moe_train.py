@@ -162,10 +162,7 @@ def worker(config: dict) -> harness.Runner:
     batches = np.load(Path(config["workdir"]) / "batches.npy")
     if config["side"] == "dew":
         return DewSide(batches, config["loss_steps"], config["window"])
-    import torch
-
-    if config["threads"] is not None:
-        torch.set_num_threads(config["threads"])
+    harness.set_peer_threads(config)
     loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP
     return TorchSide(batches, loss_steps, config["window"], config.get("compile", False))
 

@@ -122,10 +122,7 @@ def worker(config: dict) -> harness.Runner:
     workdir, window = Path(config["workdir"]), config["window"]
     if config["side"] == "dew":
         return DewSampling(workdir, window)
-    import torch
-
-    if config["threads"] is not None:
-        torch.set_num_threads(config["threads"])
+    harness.set_peer_threads(config)
     return DiffusersSampling(workdir, window, save=bool(config.get("loss_run")))
 
 

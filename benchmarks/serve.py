@@ -190,10 +190,7 @@ class TransformersSide(harness.Runner):
 def worker(config: dict) -> harness.Runner:
     workdir, load = Path(config["workdir"]), config["load"]
     if config["side"] == "torch":
-        if config["threads"] is not None:  # torch's own call; its default uses every core
-            import torch
-
-            torch.set_num_threads(config["threads"])
+        harness.set_peer_threads(config)
         return TransformersSide(workdir, load, keep_tokens=config.get("loss_run", False))
     return DewSide(workdir, load, config["side"])
 

@@ -91,10 +91,7 @@ def worker(config: dict) -> harness.Runner:
     workdir, window = Path(config["workdir"]), config["window"]
     if config["side"] == "dew":
         return DewDecoding(workdir, window)
-    import torch
-
-    if config["threads"] is not None:
-        torch.set_num_threads(config["threads"])
+    harness.set_peer_threads(config)
     return DiffusersDecoding(workdir, window, save=bool(config.get("loss_run")))
 
 
