@@ -1,7 +1,15 @@
 """Test set-up: the CPU backend with 8 virtual devices, so mesh tests run on any machine, and a
 Hugging Face Hub that is offline and empty, so no test can reach the network: a test that needs a
-Hub repository populates its own cache (see `hub_cache`)."""
+Hub repository populates its own cache (see `hub_cache`).
 
+Each test module's compiled programs are dropped when the module ends (`_drop_compiled_programs`).
+XLA:CPU maps every executable's code and constants into memory areas of their own, and a worker
+that kept every program of several hundred tests alive would pass the kernel's limit on mappings
+per process (vm.max_map_count, 65530 by default), where the next compilation dies with a
+segmentation fault.
+"""
+
+import gc
 import os
 import tempfile
 
@@ -19,6 +27,14 @@ jax.config.update("jax_platforms", "cpu")
 
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """Free the executables a test module compiled once it ends (see the module docstring)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
