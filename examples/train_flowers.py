@@ -1,7 +1,8 @@
 """Unconditional pixel-space diffusion on Oxford Flowers 102, saved as a run and drawn from reloaded.
 
-Reads the prepared TFDS files (ArrayRecord shards) without TensorFlow. Prepare them once, in an
-environment with tensorflow-datasets, as the README's Getting started shows:
+Reads the prepared TFDS files (ArrayRecord shards) without TensorFlow; the `tfds` extra pins the
+reader. Prepare them once, in an environment of their own with TFDS and TensorFlow
+(`pip install "tensorflow-datasets==4.9.10" "tensorflow==2.21.0" scipy importlib_resources`):
 
     builder = tfds.builder("oxford_flowers102", data_dir=Path.home() / ".cache/dew/datasets")
     builder.download_and_prepare(file_format="array_record")

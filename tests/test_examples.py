@@ -150,12 +150,11 @@ def test_train_diffusion_draws_the_prompted_digit(tmp_path):
 
 
 def test_train_flowers_smoke_trains_saves_and_draws_from_the_reloaded_run(tmp_path):
-    """The Getting started program on a tiny prepared TFDS directory written here."""
-    import numpy as np
-    from test_image_data import _tfds_directory
+    """The Getting started program on a tiny directory that TFDS itself prepared (JPEG images that
+    are not square, as flowers' are; tools/tfds_fixture.py)."""
+    from test_image_data import TFDS_FIXTURE
 
-    images = list(np.random.default_rng(0).integers(0, 256, (8, 20, 24, 3), dtype=np.uint8))
-    data = _tfds_directory(tmp_path / "toy" / "1.0.0", images, [i % 3 for i in range(8)])
+    data = TFDS_FIXTURE / "dew_toy" / "1.0.0"
     result = load_example("train_flowers").main(["--data", str(data), "--run", str(tmp_path / "run"), "--batch", "8",
                                                  "--samples", "2", "--smoke"])
     assert result["files"] == ["2", "run.json", "samples.png"] and result["steps"] == 2

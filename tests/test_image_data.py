@@ -367,6 +367,35 @@ def test_tfds_directory_round_trips_images_and_labels_without_tensorflow(tmp_pat
     assert "label" not in batch and all(str(c).startswith("img") for c in batch["caption"])
 
 
+TFDS_FIXTURE = Path(__file__).parent / "fixtures" / "tfds"  # tools/tfds_fixture.py
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+@pytest.mark.parametrize("image_key", ["image", "image_png"])
+def test_a_directory_tfds_prepared_reads_as_tfds_reads_it(split, image_key):
+    """Shards written by TFDS itself (JPEG bytes as flowers stores them, and PNG): every record's
+    image, label and caption are the ones `builder.as_data_source` decodes, at 12 px."""
+    reference = np.load(TFDS_FIXTURE / "reference.npz")
+    captions = reference[f"{split}/caption"].tolist()
+    data = TFDSImages(str(TFDS_FIXTURE / "dew_toy" / "1.0.0"), split=split, image_size=12,
+                      image_key=image_key, caption_key="caption").load(batch=2)
+    assert data.records == len(captions)
+    iterator = data.train(Partition())
+    batches = [next(iterator) for _ in range(len(captions) // 2)]  # one epoch
+    seen = []
+    for batch in batches:
+        for image, label, caption in zip(batch["image"], batch["label"], batch["caption"]):
+            index = captions.index(str(caption))
+            want = fit_square(Image.fromarray(reference[f"{split}/{image_key}/{index}"]), 12)
+            np.testing.assert_array_equal(image, want)
+            assert label == reference[f"{split}/label"][index]
+            # Negative control: the neighbouring record's image is not a match.
+            other = reference[f"{split}/{image_key}/{(index + 1) % len(captions)}"]
+            assert not np.array_equal(image, fit_square(Image.fromarray(other), 12))
+            seen.append(index)
+    assert sorted(seen) == list(range(len(captions)))
+
+
 def test_tfds_errors_name_what_is_missing(tmp_path):
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(4)]
