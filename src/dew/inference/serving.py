@@ -19,6 +19,12 @@ go back when it ends. ``chunk`` prefills a long prompt ``chunk`` tokens per step
 rows keep decoding; ``prefix_cache`` lets a request read the full prompt pages of earlier requests
 that began with the same tokens instead of computing them again.
 
+A request may carry a `dew.sampling.guided.Grammar` (a JSON schema or a regular expression): it
+decodes in the same batch as the others, each step's logits of its row masked to the tokens its
+grammar state allows (every other row's mask allows every token), and draws exactly what
+`guided_generate` draws for it alone. The host advances a guided row's state after each token, so
+while any guided row runs a decode call is one iteration.
+
 `submit` and `step` drive the server by hand (tests, benchmarks); `start` runs the same steps as
 an asyncio task, and `generate` streams one request's `TokenEvent`s to whoever awaits them.
 """
@@ -68,19 +74,24 @@ class TokenEvent:
 
 
 class Request:
-    """A submitted request: its prompt, budget, Sampling and seed, and the events drawn so far."""
+    """A submitted request: its prompt, budget, Sampling, seed and grammar (or None), and the events
+    drawn so far."""
 
-    def __init__(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, seed: int):
+    def __init__(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, seed: int,
+                 grammar: Any = None):
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self.seed = seed
+        self.grammar = grammar
+        self.grammar_state = None if grammar is None else grammar.initial
         self.events: list[TokenEvent] = []
         self.row: int | None = None
         self.pages: tuple[int, ...] = ()  # a paged server's pool pages for this request, in prompt order
         self.prefilled = 0  # prompt tokens in the cache so far (paged: chunked or read from shared pages)
         self.weights = 0  # which weights (Server reloads) wrote its first prompt pages
         self.cancelled = False
+        self.error: Exception | None = None  # why a guided request stopped early
         self.listener: Any = None  # called with each TokenEvent (the asyncio bridge of `generate`)
 
     @property
@@ -145,7 +156,8 @@ def _decode(model, variables, cache, state, *, steps):
     def one(carry, _):
         cache, state = carry
         keys = jax.vmap(jax.random.fold_in)(state["keys"], state["drawn"])
-        tokens, log_probs = choose_row_tokens(state["logits"], keys, state["settings"])
+        logits = jnp.where(state["allowed"], state["logits"], -jnp.inf)  # a guided row's grammar mask
+        tokens, log_probs = choose_row_tokens(logits, keys, state["settings"])
         live = state["live"]
         # a free row feeds a harmless token at slot 0, never past the end of its row; a paged row
         # not decoding (free, mid-prefill, or filled earlier in this call) writes to the scratch page
@@ -242,7 +254,10 @@ class Server:
             drawn=jnp.zeros((self.slots,), jnp.int32),
             live=jnp.zeros((self.slots,), bool),
             settings=RowSampling.empty(self.slots),
+            allowed=jnp.ones((self.slots, self.model.vocab_size), bool),
         )
+        self._allowed = np.ones((self.slots, self.model.vocab_size), bool)  # host copy of state["allowed"]
+        self._allowed_changed = False
         self._rows: list[Request | None] = [None] * self.slots
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()  # submit/cancel (any thread) against step (the stepping thread)
@@ -270,17 +285,21 @@ class Server:
 
     # --- requests --------------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int) -> Request:
-        """Queue a request; it is admitted at a step with a free row. Raises when it can never run."""
-        request = self.check(prompt, max_new_tokens, sampling, seed)
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int,
+               grammar: Any = None) -> Request:
+        """Queue a request (kept inside `grammar` when one is given); it is admitted at a step with a
+        free row. Raises when it can never run."""
+        request = self.check(prompt, max_new_tokens, sampling, seed, grammar)
         with self._lock:
             self._queue.append(request)
         return request
 
-    def check(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling, seed: int) -> Request:
-        """The request these arguments make, or a ValueError (TypeError for a wrong Sampling) when it
-        can never run: an empty prompt, ids outside the vocabulary, a budget below 1, a non-int
-        seed, or more tokens than a row holds. `submit` and `generate` check the same way; a caller
+    def check(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling, seed: int,
+              grammar: Any = None) -> Request:
+        """The request these arguments make, or a ValueError (TypeError for a wrong Sampling or
+        grammar) when it can never run: an empty prompt, ids outside the vocabulary, a budget below
+        1, a non-int seed, more tokens than a row holds, or a grammar over another vocabulary or
+        whose first state allows no token. `submit` and `generate` check the same way; a caller
         that must answer before streaming (an HTTP front end) calls it first."""
         max_new_tokens = count(max_new_tokens, "max_new_tokens")
         if not isinstance(sampling, Sampling):
@@ -297,7 +316,17 @@ class Server:
                 f"{tokens.size + max_new_tokens} tokens, more than the server's capacity={self.capacity} per "
                 "row; shorten the prompt, ask for fewer tokens or build the server with a larger capacity"
             )
-        return Request(tokens.astype(np.int32), max_new_tokens, sampling, int(seed))
+        if grammar is not None:
+            if not all(hasattr(grammar, name) for name in ("initial", "mask", "advance", "eos_id")):
+                raise TypeError(f"grammar must be a dew.sampling.guided.Grammar; got {type(grammar).__name__}.")
+            if grammar.vocab_size != self.model.vocab_size:
+                raise ValueError(
+                    f"the grammar covers {grammar.vocab_size} token ids and the model's vocabulary has "
+                    f"{self.model.vocab_size}; build it with vocab_size={self.model.vocab_size}"
+                )
+            if not grammar.mask(grammar.initial).any():
+                raise ValueError("the grammar's first state allows no token; it cannot start any text")
+        return Request(tokens.astype(np.int32), max_new_tokens, sampling, int(seed), grammar)
 
     def cancel(self, request: Request) -> None:
         """Drop a request: out of the queue now, or out of its row (and its pages) at the next step."""
@@ -332,17 +361,26 @@ class Server:
         running = [(row, r) for row, r in enumerate(self._rows) if r is not None and self._decoding(r)]
         if not running:
             return []
+        guided = any(request.grammar is not None for _, request in running)
+        steps = 1 if guided else self.decode_steps  # a grammar's next mask needs the token just drawn
+        if self._allowed_changed:
+            self._state = dict(self._state, allowed=jnp.asarray(self._allowed))
+            self._allowed_changed = False
         self._cache, self._state, tokens, log_probs = _decode_jit(
-            self.model, self.variables, self._cache, self._state, steps=self.decode_steps
+            self.model, self.variables, self._cache, self._state, steps=steps
         )
         tokens, log_probs = np.asarray(tokens), np.asarray(log_probs)
-        events, freed = [], []
-        for t in range(self.decode_steps):
+        events, freed, failed = [], [], []
+        for t in range(steps):
             for row, request in running:
                 if request.finished:
                     continue
                 token = int(tokens[t, row])
-                if token in request.sampling.eos_token_ids:
+                if request.grammar is not None and not self._advance_grammar(row, request, token):
+                    failed.append((row, request))
+                    continue
+                if token in request.sampling.eos_token_ids or (
+                        request.grammar is not None and token == request.grammar.eos_id):
                     reason = "stop"
                 elif len(request.events) + 1 == request.max_new_tokens:
                     reason = "length"
@@ -354,11 +392,40 @@ class Server:
                 if reason is not None:
                     freed.append(row)
         with self._lock:
-            for row in freed:
+            for row in freed + [row for row, _ in failed]:
                 self._rows[row] = None
-        self._stop_rows(freed, [request for _, request in running if request.finished])
+        done = [request for _, request in running if request.finished] + [request for _, request in failed]
+        self._stop_rows(freed + [row for row, _ in failed], done)
         self._count_emitted(len(events))
+        for _, request in failed:
+            if request.listener is not None:
+                request.listener(request.error)
         return events
+
+    def _advance_grammar(self, row: int, request: Request, token: int) -> bool:
+        """Move a guided request's grammar past `token` and mask its row for the next draw; False
+        (with `request.error` set) when the grammar cannot go on."""
+        if token == request.grammar.eos_id:
+            return True
+        try:
+            request.grammar_state = request.grammar.advance(request.grammar_state, token)
+            allowed = request.grammar.mask(request.grammar_state)
+            if not allowed.any():
+                raise ValueError(f"grammar state {request.grammar_state} allows no token; the grammar "
+                                 "cannot continue this text")
+        except ValueError as error:
+            request.error = error
+            return False
+        self._allowed[row] = allowed
+        self._allowed_changed = True
+        return True
+
+    def _mask_row(self, row: int, request: Request | None) -> None:
+        """Set row `row`'s grammar mask for a request seated there (all tokens when unguided or freed)."""
+        allowed = True if request is None or request.grammar is None else request.grammar.mask(request.grammar_state)
+        if request is not None and request.grammar is not None or not self._allowed[row].all():
+            self._allowed[row] = allowed
+            self._allowed_changed = True
 
     def _decoding(self, request: Request) -> bool:
         return not self.paged or request.prefilled == request.prompt.size
@@ -368,6 +435,8 @@ class Server:
         give the requests' pages back."""
         if rows:
             self._state = dict(self._state, live=self._state["live"].at[jnp.asarray(rows)].set(False))
+            for row in rows:
+                self._mask_row(row, None)
         if self.paged and requests:
             for request in requests:
                 self._pool.release(request.pages)
@@ -400,6 +469,7 @@ class Server:
                 row = free[0]
                 self._rows[row] = request
             request.row = row
+            self._mask_row(row, request)
             if self.paged:
                 request.pages, request.weights = grant.pages, self._weights
                 request.prefilled = len(grant.shared) * self._pool.page_size
@@ -508,12 +578,15 @@ class Server:
                 request.listener(error)
 
     async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int
+        self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, seed: int,
+        grammar: Any = None,
     ) -> AsyncIterator[TokenEvent]:
-        """Stream one request's tokens; closing the iterator early frees its row at the next step.
+        """Stream one request's tokens (inside `grammar` when one is given); closing the iterator
+        early frees its row at the next step.
 
-        A request that can never run raises `check`'s error at the first iteration."""
-        request = self.check(prompt, max_new_tokens, sampling, seed)
+        A request that can never run raises `check`'s error at the first iteration; one whose
+        grammar cannot go on raises that error where its stream stands, and the others go on."""
+        request = self.check(prompt, max_new_tokens, sampling, seed, grammar)
         await self.start()
         events: asyncio.Queue = asyncio.Queue()
         request.listener = events.put_nowait

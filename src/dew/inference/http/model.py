@@ -9,7 +9,6 @@ the engine sees it.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import secrets
@@ -203,30 +202,15 @@ class ServedModel:
 
     def pieces(self, prompt: Sequence[int], budget: int, sampling: Sampling, seed: int,
                stops: Sequence[str] = (), grammar: Any = None) -> AsyncIterator[Piece]:
-        """The text pieces of one continuation: from the engine, or, inside a grammar, from
-        `guided_generate` over the engine's task (one request at a time per thread, outside the
-        engine's batch)."""
+        """The text pieces of one continuation from the engine, kept inside `grammar` when one is
+        given (the engine decodes a guided request in the same batch as the others)."""
         if grammar is None:
             events = self.engine.generate(prompt, max_new_tokens=budget, sampling=sampling, seed=seed)
         else:
-            events = self._guided_events(prompt, budget, sampling, seed, grammar)
+            events = self.engine.generate(prompt, max_new_tokens=budget, sampling=sampling, seed=seed,
+                                          grammar=grammar)
         decode = self.decode if self.tokenizer is not None else (lambda ids: "")
         return text_pieces(events, decode, stops)
-
-    async def _guided_events(self, prompt: Sequence[int], budget: int, sampling: Sampling, seed: int,
-                             grammar: Any) -> AsyncIterator[Any]:
-        import jax
-
-        from dew.inference.serving import TokenEvent
-        from dew.sampling.guided import guided_generate
-
-        task = self.engine.task
-        tokens, logprobs, ended = await asyncio.to_thread(
-            guided_generate, task.model, task.variables, list(prompt), budget, grammar=grammar,
-            key=jax.random.key(seed), sampling=sampling)
-        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
-            last = i == len(tokens) - 1
-            yield TokenEvent(token, logprob, ("stop" if ended else "length") if last else None)
 
     def token_text(self, token: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token])

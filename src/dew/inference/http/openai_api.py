@@ -6,8 +6,8 @@ silently dropped). Besides OpenAI's own sampling fields it reads vLLM's `top_k`,
 `Sampling`. Each of `n` continuations is its own engine request, with seed `seed + i` for
 continuation i (prompt-major for a list of prompts); without a seed each draws a random one.
 Streams are server-sent events ending with `data: [DONE]`. A chat's `response_format` of type
-`json_schema` keeps the reply inside the schema (`dew.sampling.guided`, outlines-core): such a
-request decodes through `guided_generate` over the engine's task, beside the engine's batch.
+`json_schema` keeps the reply inside the schema (`dew.sampling.guided`, outlines-core): the engine
+decodes such a request in its batch with the others, its row masked to the schema's tokens.
 """
 
 from __future__ import annotations
