@@ -7,6 +7,9 @@ XLA:CPU maps every executable's code and constants into memory areas of their ow
 that kept every program of several hundred tests alive would pass the kernel's limit on mappings
 per process (vm.max_map_count, 65530 by default), where the next compilation dies with a
 segmentation fault.
+
+The default run compiles with XLA's cheap LLVM settings (`pytest_configure`); every result a test
+checks is computed in that one setting, and the slow and reference runs use XLA's defaults.
 """
 
 import gc
@@ -21,12 +24,26 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402  (imported after the flags are set)
+import jax  # noqa: E402  (XLA reads XLA_FLAGS when the backend starts, at the first device use)
 
 jax.config.update("jax_platforms", "cpu")
 
 
 import pytest  # noqa: E402
+
+QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def pytest_configure(config):
+    """A run that leaves the slow tests out compiles with LLVM's cheap settings (QUICK_COMPILE):
+    its tiny programs cost far more to compile than to run (the default suite took 1,075 s against
+    about 2,000 s). `make test-slow` and `make test-reference`, whose tests train and sample for
+    real, keep XLA's defaults, as does a run whose XLA_FLAGS set an optimization level."""
+    flags = os.environ["XLA_FLAGS"]
+    left_out = (config.option.markexpr or "").replace("not slow", "").replace("not reference", "")
+    selects_slow_tests = not config.option.markexpr or "slow" in left_out or "reference" in left_out
+    if not selects_slow_tests and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {QUICK_COMPILE}"
 
 
 @pytest.fixture(scope="module", autouse=True)
