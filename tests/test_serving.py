@@ -128,6 +128,30 @@ def test_several_decode_iterations_per_call_draw_the_same_tokens(task):
     _assert_served_equals_alone(task, _serve_staggered(server, _traffic(5, 16, 10, seed=3)))
 
 
+def test_weights_placed_on_a_mesh_serve_what_the_unplaced_task_draws_alone():
+    """A published checkpoint placed over fsdp x tensor (the Trainer's rules) serves through one step
+    program over all eight devices; its cache and row state are replicated on each of them."""
+    from pathlib import Path
+
+    import dew
+    from dew import MeshSpec
+    from dew.interop import Pretrained
+    from dew.training import Layout
+
+    llama = Path(__file__).parent / "fixtures" / "hf" / "llama"
+    local = Pretrained.load(llama).text_generation()  # on one device
+    task = dew.pipeline(llama, mesh=MeshSpec(fsdp=2, tensor=2, replicas=2), layout=Layout(min_shard=1))
+    assert any("tensor" in str(leaf.sharding.spec) for leaf in jax.tree_util.tree_leaves(task.variables))
+    server = Server.from_task(task, slots=3, capacity=32)
+    plan = [([1 + i, 5, 7, 2][: 2 + i % 3], 6, SETTINGS[2 * (i % 2)], 40 + i) for i in range(4)]
+    served = _serve_staggered(server, plan)
+    assert all(len(leaf.sharding.device_set) == 8 for leaf in jax.tree_util.tree_leaves(server._cache))
+    for request in served:
+        alone = local([request.prompt.tolist()], request.max_new_tokens, seed=request.seed,
+                      sampling=request.sampling).host()
+        assert request.tokens == alone.tokens[0, : int(alone.lengths[0])].tolist()
+
+
 def test_traffic_never_recompiles_the_step_and_prompts_compile_once_per_width():
     task = TextGeneration(*_model(max_seq_len=60))  # a model of its own: the jit caches start empty for it
     server = Server.from_task(task, slots=3, capacity=60)
