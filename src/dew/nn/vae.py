@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn.embeddings import dense
+from dew.nn.norms import GroupNorm
 
 NORM_EPS = 1e-6
 LOGVAR_RANGE = (-30.0, 20.0)
@@ -56,15 +57,6 @@ def conv(features: int, name: str, *, kernel: int = 3, stride: int = 1, padding:
     )
 
 
-def group_norm(num_groups: int, name: str, *, dtype: Any, param_dtype: Any) -> nn.GroupNorm:
-    return nn.GroupNorm(
-        num_groups=num_groups, epsilon=NORM_EPS, dtype=dtype, param_dtype=param_dtype,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-        name=name,
-    )
-
-
 class ResnetBlock(nn.Module):
     """GroupNorm -> SiLU -> conv1 -> GroupNorm -> SiLU -> conv2, plus the (projected) input."""
 
@@ -76,8 +68,10 @@ class ResnetBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h = conv(self.features, "conv1", **kw)(nn.silu(group_norm(self.num_groups, "norm1", **kw)(x)))
-        h = conv(self.features, "conv2", **kw)(nn.silu(group_norm(self.num_groups, "norm2", **kw)(h)))
+        h = nn.silu(GroupNorm(self.num_groups, NORM_EPS, name="norm1", **kw)(x))
+        h = conv(self.features, "conv1", **kw)(h)
+        h = nn.silu(GroupNorm(self.num_groups, NORM_EPS, name="norm2", **kw)(h))
+        h = conv(self.features, "conv2", **kw)(h)
         if x.shape[-1] != self.features:
             x = conv(self.features, "conv_shortcut", kernel=1, **kw)(x)
         return x + h
@@ -94,7 +88,7 @@ class SpatialAttention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         batch, height, width, channels = x.shape
-        h = group_norm(self.num_groups, "group_norm", **kw)(x).reshape(batch, height * width, channels)
+        h = GroupNorm(self.num_groups, NORM_EPS, name="group_norm", **kw)(x).reshape(batch, height * width, channels)
         q = dense(channels, ("embed", "heads"), "to_q", **kw)(h)
         k = dense(channels, ("embed", "heads"), "to_k", **kw)(h)
         v = dense(channels, ("embed", "heads"), "to_v", **kw)(h)
@@ -145,7 +139,7 @@ class Encoder(nn.Module):
                 h = conv(features, f"down_blocks_{level}/downsample", stride=2,
                          padding=((0, 1), (0, 1)), **kw)(h)
         h = MidBlock(self.num_groups, self.mid_attention, name="mid_block", **kw)(h)
-        h = nn.silu(group_norm(self.num_groups, "conv_norm_out", **kw)(h))
+        h = nn.silu(GroupNorm(self.num_groups, NORM_EPS, name="conv_norm_out", **kw)(h))
         return conv(2 * self.latent_channels, "conv_out", **kw)(h)
 
 
@@ -174,7 +168,7 @@ class Decoder(nn.Module):
                 batch, height, width, channels = h.shape
                 h = jax.image.resize(h, (batch, 2 * height, 2 * width, channels), method="nearest")
                 h = conv(features, f"up_blocks_{level}/upsample", **kw)(h)
-        h = nn.silu(group_norm(self.num_groups, "conv_norm_out", **kw)(h))
+        h = nn.silu(GroupNorm(self.num_groups, NORM_EPS, name="conv_norm_out", **kw)(h))
         return conv(self.out_channels, "conv_out", **kw)(h)
 
 

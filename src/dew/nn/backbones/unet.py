@@ -43,6 +43,7 @@ from dew.nn.embeddings import (
     text_condition_keys,
     text_tokens,
 )
+from dew.nn.norms import GroupNorm
 from dew.nn.vit import CrossAttention, SelfAttention, layer_norm
 
 
@@ -63,15 +64,6 @@ def conv(features, name, *, kernel=3, stride=1, zero=False, dtype, param_dtype):
     )
 
 
-def group_norm(num_groups, name, *, dtype, param_dtype):
-    return nn.GroupNorm(
-        num_groups=num_groups, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-        name=name,
-    )
-
-
 class ResBlock(nn.Module):
     """Residual block with scale/shift noise conditioning (ADM's ``use_scale_shift_norm``)."""
 
@@ -84,11 +76,11 @@ class ResBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, c: jax.Array, train: bool = False) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h = nn.silu(group_norm(self.num_groups, "norm1", **kw)(x))
+        h = nn.silu(GroupNorm(self.num_groups, name="norm1", **kw)(x))
         h = conv(self.features, "conv1", **kw)(h)
         modulation = dense(2 * self.features, ("embed", "mlp"), "modulation", **kw)(nn.silu(c))
         scale, shift = jnp.split(modulation, 2, axis=-1)
-        h = group_norm(self.num_groups, "norm2", **kw)(h) * (1 + scale[:, None, None]) + shift[:, None, None]
+        h = GroupNorm(self.num_groups, name="norm2", **kw)(h) * (1 + scale[:, None, None]) + shift[:, None, None]
         h = nn.Dropout(self.dropout, deterministic=not train)(nn.silu(h))
         h = conv(self.features, "conv2", zero=True, **kw)(h)
         if x.shape[-1] != self.features:
@@ -111,7 +103,7 @@ class AttentionBlock(nn.Module):
                  text_valid: jax.Array | None = None) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         batch, height, width, features = x.shape
-        h = group_norm(self.num_groups, "norm", **kw)(x).reshape(batch, height * width, features)
+        h = GroupNorm(self.num_groups, name="norm", **kw)(x).reshape(batch, height * width, features)
         h = SelfAttention(self.num_heads, self.attention_impl, zero_out=True, name="attn", **kw)(h)
         x = x + h.reshape(x.shape)
         if text is None:
@@ -223,5 +215,5 @@ class UNet(nn.Module):
                 h = jax.image.resize(h, (b, 2 * hh, 2 * ww, f), method="nearest")
                 h = conv(f, f"up_{level}_upsample", **kw)(h)
 
-        h = nn.silu(group_norm(self.num_groups, "norm_out", **kw)(h))
+        h = nn.silu(GroupNorm(self.num_groups, name="norm_out", **kw)(h))
         return conv(in_channels, "conv_out", zero=True, **kw)(h).astype(x.dtype)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from dew.nn.attention import check_attention_impl
 from dew.nn.backbones.dit import check_image
 from dew.nn.embeddings import check_conditions, dense
+from dew.nn.norms import GroupNorm
 from dew.nn.vae import conv
 from dew.nn.vit import attend
 
@@ -61,15 +62,6 @@ def timestep_features(timesteps: jax.Array, features: int, flip_sin_to_cos: bool
     first, second = (jnp.cos(args), jnp.sin(args)) if flip_sin_to_cos else (jnp.sin(args), jnp.cos(args))
     out = jnp.concatenate([first, second], axis=-1)
     return jnp.pad(out, ((0, 0), (0, features % 2)))
-
-
-def group_norm(num_groups: int, eps: float, name: str, *, dtype: Any, param_dtype: Any) -> nn.GroupNorm:
-    return nn.GroupNorm(
-        num_groups=num_groups, epsilon=eps, dtype=dtype, param_dtype=param_dtype,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-        name=name,
-    )
 
 
 def layer_norm(name: str, *, dtype: Any, param_dtype: Any) -> nn.LayerNorm:
@@ -124,10 +116,10 @@ class ResnetBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, emb: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h = nn.silu(group_norm(self.num_groups, self.eps, "norm1", **kw)(x))
+        h = nn.silu(GroupNorm(self.num_groups, self.eps, name="norm1", **kw)(x))
         h = conv(self.features, "conv1", **kw)(h)
         h = h + dense(self.features, ("embed", "mlp"), "time_emb_proj", **kw)(nn.silu(emb))[:, None, None, :]
-        h = nn.silu(group_norm(self.num_groups, self.eps, "norm2", **kw)(h))
+        h = nn.silu(GroupNorm(self.num_groups, self.eps, name="norm2", **kw)(h))
         h = conv(self.features, "conv2", **kw)(h)
         if x.shape[-1] != self.features:
             x = conv(self.features, "conv_shortcut", kernel=1, **kw)(x)
@@ -217,7 +209,7 @@ class Transformer2D(nn.Module):
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         batch, height, width, channels = x.shape
-        h = group_norm(self.num_groups, TRANSFORMER_NORM_EPS, "norm", **kw)(x)
+        h = GroupNorm(self.num_groups, TRANSFORMER_NORM_EPS, name="norm", **kw)(x)
         if self.linear_projection:
             h = dense(channels, ("embed", "heads"), "proj_in", **kw)(h.reshape(batch, height * width, channels))
         else:
@@ -428,5 +420,5 @@ class UNet2DCondition(nn.Module):
                 h = upsample_nearest(h, skips[-1].shape[1:3])
                 h = conv(widths[level], f"{prefix}/upsamplers_0/conv", **kw)(h)
 
-        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, "conv_norm_out", **kw)(h))
+        h = nn.silu(GroupNorm(self.norm_num_groups, self.norm_eps, name="conv_norm_out", **kw)(h))
         return conv(self.out_channels, "conv_out", **kw)(h).astype(x.dtype)
