@@ -81,6 +81,21 @@ def test_blockwise_gives_the_reference_values_and_gradients(rules, sinks):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["no-sinks", "sinks"])
+def test_unmasked_blockwise_builds_no_mask_and_gives_the_reference(sinks):
+    """Bidirectional, no rule, whole blocks of keys (40 = 5 x 8): the path that scores without a mask."""
+    q, k, v, cotangent = tensors(seed=2, q_len=37, kv_len=40)
+    sinks = None if sinks is None else jnp.asarray(sinks)
+    got = values_and_gradients(blockwise, q, k, v, cotangent, sinks, causal=False)
+    want = values_and_gradients(reference, q, k, v, cotangent, sinks, causal=False)
+    for name, g, w in zip(("output", "dq", "dk", "dv", "dsinks"), got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=name)
+    text = jax.jit(lambda q, k, v: blockwise(q, k, v, causal=False)).lower(q, k, v).as_text()
+    assert "select" not in text  # no jnp.where over any block's scores
+    # negative control: a causal call over the same whole blocks builds its mask
+    assert "select" in jax.jit(lambda q, k, v: blockwise(q, k, v)).lower(q, k, v).as_text()
+
+
 def test_blockwise_is_checked_against_rules_that_matter():
     """Negative controls: the comparison above fails when a rule is dropped, or a block misplaced."""
     q, k, v, cotangent = tensors()

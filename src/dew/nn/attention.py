@@ -40,10 +40,13 @@ from dew.nn.kv_quant import Quantized, rotate
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn", "blockwise")
 
 # "auto" runs "blockwise" off a GPU from this many keys on. On XLA:CPU neither kernel is reliably
-# faster below a few thousand keys; at 8192 the one-shot kernel's scores take gigabytes and it is
-# the slower one (forward and backward, docs/scaling.md).
-BLOCKWISE_MIN_KEYS = 8192
-# queries and keys per block of "blockwise": one block's float32 scores per head are 1 MiB
+# faster at 1-2 thousand keys; from 4096 the one-shot kernel's scores take gigabytes and it is the
+# slower one, 2-7x in the forward pass of the first attention level of a UNet at 512 px (4096
+# positions, heads of 8 to 64), forward and backward for a causal decoder (docs/scaling.md).
+BLOCKWISE_MIN_KEYS = 4096
+# queries and keys per block of "blockwise" for heads of 64 or more (one block's float32 scores per
+# head are 1 MiB); narrower heads take blocks of half as many, whose products are otherwise too thin
+# to pay for the block's softmax bookkeeping (about 2x faster at head_dim 8-40 on XLA:CPU)
 BLOCKWISE_BLOCK = 512
 
 # matmul precisions that ask for more than the default (bf16 passes on GPU/TPU)
@@ -378,9 +381,10 @@ def blockwise_attention(
     Queries go in blocks of `block` (a `lax.map`), and each block runs an online softmax over blocks
     of `block` keys (a `lax.scan`: a running maximum, sum and weighted sum of values, rescaled as
     the maximum grows; Milakov & Gimelshein 2018, arXiv:1805.02867), so only one block's scores
-    exist at a time; `block` defaults to `BLOCKWISE_BLOCK`. The backward pass (a `jax.custom_vjp`) keeps the inputs, the output and each
-    query's log-sum-exp, and recomputes each block's scores, as FlashAttention does (Dao et al.
-    2022, arXiv:2205.14135). Scores, softmax and sums are float32, as in `reference_attention`,
+    exist at a time; `block` defaults to `BLOCKWISE_BLOCK` (half that below head_dim 64). The
+    backward pass (a `jax.custom_vjp`) keeps the inputs, the output and each query's log-sum-exp,
+    and recomputes each block's scores, as FlashAttention does (Dao et al. 2022, arXiv:2205.14135).
+    Scores, softmax and sums are float32, as in `reference_attention`,
     masked keys score ``finfo.min`` as there (a query that may see no key averages them all), and a
     sink rescales the output by its share of the softmax afterwards (outside the custom gradient, so
     JAX differentiates it, and sums its gradient over the devices a `shard_map` splits queries over).
@@ -388,7 +392,9 @@ def blockwise_attention(
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
-    block = BLOCKWISE_BLOCK if block is None else count(block, "block")
+    if block is None:
+        block = BLOCKWISE_BLOCK if head_dim >= 64 else max(1, BLOCKWISE_BLOCK // 2)
+    block = count(block, "block")
     q_block, kv_block = min(block, q_len), min(block, kv_len)
     q_pad, kv_pad = -q_len % q_block, -kv_len % kv_block
 
@@ -407,8 +413,10 @@ def blockwise_attention(
         "kv_lengths": None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
         "mask": None if mask is None else _head_grouped_mask(mask, heads, kv_heads, q_pad, kv_pad),
     }
+    unmasked = (not causal and window is None and q_segment_ids is None and kv_lengths is None
+                and mask is None and kv_pad == 0)
     shape = _BlockShape(causal=causal, scale=scale, q_block=q_block, kv_block=kv_block, kv_len=kv_len,
-                        precision=precision)
+                        precision=precision, unmasked=unmasked)
     out, lse = _blockwise(shape, qh, kh, vh, rules)
     if sinks is not None:  # the sink joins each softmax as one more column, with no value
         sink = sinks.astype(jnp.float32).reshape(kv_heads, groups)[None, :, :, None]
@@ -443,12 +451,18 @@ class _BlockShape:
     kv_block: int
     kv_len: int  # keys before padding to whole blocks
     precision: Any = None
+    unmasked: bool = False  # every query sees every key and no key is padding: no mask to build
 
 
 def _block_scores(shape: _BlockShape, rules: dict, q_blk, k_blk, q_index, kv_index):
     """The float32 scores ``[B, K, G, bq, bk]`` of query block `q_index` against key block
-    `kv_index`, and where the rules let a query see a key (True) or the key is only padding."""
+    `kv_index`, and where the rules let a query see a key (True) or the key is only padding (None
+    for an unmasked call, which builds no mask)."""
     q_start, kv_start = q_index * shape.q_block, kv_index * shape.kv_block
+    if shape.unmasked:
+        scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk.astype(jnp.float32), k_blk.astype(jnp.float32),
+                            precision=shape.precision)
+        return scores * jnp.float32(shape.scale), None
     take = lambda x, start, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)  # noqa: E731
     segments = {}
     if rules["q_segment_ids"] is not None:
@@ -557,7 +571,9 @@ def _blockwise_bwd(shape, residuals, cotangents):
             weights = jnp.exp(scores - lse_blocks[q_index][..., None])
             d_v = d_v + einsum("bkgqs,bkgqh->bksh", weights, d_out_blocks[q_index])
             d_weights = einsum("bkgqh,bksh->bkgqs", d_out_blocks[q_index], v32)
-            d_scores = jnp.where(allowed, weights * (d_weights - row_dot_blocks[q_index][..., None]), 0.0)
+            d_scores = weights * (d_weights - row_dot_blocks[q_index][..., None])
+            if allowed is not None:
+                d_scores = jnp.where(allowed, d_scores, 0.0)
             d_scores = d_scores * jnp.float32(shape.scale)
             d_q = d_q.at[q_index].add(einsum("bkgqs,bksh->bkgqh", d_scores, k32))
             d_k = d_k + einsum("bkgqs,bkgqh->bksh", d_scores, q_blk.astype(jnp.float32))
