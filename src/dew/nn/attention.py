@@ -458,11 +458,11 @@ def _block_scores(shape: _BlockShape, rules: dict, q_blk, k_blk, q_index, kv_ind
     """The float32 scores ``[B, K, G, bq, bk]`` of query block `q_index` against key block
     `kv_index`, and where the rules let a query see a key (True) or the key is only padding (None
     for an unmasked call, which builds no mask)."""
-    q_start, kv_start = q_index * shape.q_block, kv_index * shape.kv_block
+    scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk.astype(jnp.float32), k_blk.astype(jnp.float32),
+                        precision=shape.precision) * jnp.float32(shape.scale)
     if shape.unmasked:
-        scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk.astype(jnp.float32), k_blk.astype(jnp.float32),
-                            precision=shape.precision)
-        return scores * jnp.float32(shape.scale), None
+        return scores, None
+    q_start, kv_start = q_index * shape.q_block, kv_index * shape.kv_block
     take = lambda x, start, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)  # noqa: E731
     segments = {}
     if rules["q_segment_ids"] is not None:
@@ -482,8 +482,6 @@ def _block_scores(shape: _BlockShape, rules: dict, q_blk, k_blk, q_index, kv_ind
         if extra.shape[4] > 1:
             extra = jax.lax.dynamic_slice_in_dim(extra, kv_start, shape.kv_block, axis=4)
         allowed &= extra
-    scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk.astype(jnp.float32), k_blk.astype(jnp.float32),
-                        precision=shape.precision) * jnp.float32(shape.scale)
     scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     real = slots < shape.kv_len  # padding past the last key takes no share of any softmax
     return jnp.where(real, scores, -jnp.inf), allowed & real

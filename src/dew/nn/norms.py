@@ -49,4 +49,3 @@ class GroupNorm(nn.Module):
         mul = jnp.repeat(jax.lax.rsqrt(variance + self.epsilon), per_group, axis=-1) * scale.astype(jnp.float32)
         add = bias.astype(jnp.float32) - jnp.repeat(mean, per_group, axis=-1) * mul
         return (flat * mul[:, None, :] + add[:, None, :]).reshape(x.shape).astype(self.dtype)
-
