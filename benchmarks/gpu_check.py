@@ -45,6 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 SECTIONS = ("attention", "offload", "lm_train", "serve", "lm_train_torch", "serve_torch")
+SHORT = bool(os.environ.get("DEW_GPU_CHECK_SHORT"))  # set by --short for the sections' processes
 LIMITS = {"attention": 90, "offload": 90, "lm_train": 140, "serve": 200, "lm_train_torch": 90, "serve_torch": 90}
 
 
@@ -75,7 +76,8 @@ def section_attention(quick: bool) -> dict:
 
     from dew.nn.attention import dot_product_attention, reference_attention, resolve_attention_impl
 
-    shapes = [(1, 128, 4, 2, 64)] if quick else [(4, 2048, 16, 4, 128), (8, 1024, 8, 8, 64)]
+    shapes = [(1, 128, 4, 2, 64)] if quick else [(4, 2048, 16, 4, 128)]
+    impls = ("auto", "xla") if SHORT else ("auto", "xla", "blockwise")
     every_case = {"causal": dict(causal=True), "causal_window": dict(causal=True, window=256),
                   "causal_lengths": dict(causal=True, lengths=True), "bidirectional": dict(causal=False)}
     rows = [f32_matmul_error()]
@@ -88,30 +90,35 @@ def section_attention(quick: bool) -> dict:
         cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
         lengths = jnp.asarray(np.linspace(length // 3, length, batch).astype(np.int32))
         for name, case in cases.items():
-            settings = dict(causal=case["causal"], window=case.get("window"),
-                            kv_lengths=lengths if case.get("lengths") else None)
+            # every array is an argument of the compiled programs: a captured one would be a constant
+            # that XLA folds at compile time
+            settings = dict(causal=case["causal"], window=case.get("window"))
+            with_lengths = bool(case.get("lengths"))
             row = {"shape": [batch, length, heads, kv_heads, head_dim], "case": name,
                    "auto_resolves_to": resolve_attention_impl("auto", dtype=jnp.bfloat16, head_dim=head_dim)}
 
-            def loss(impl, q, k, v, settings=settings):
-                out = dot_product_attention(q, k, v, impl=impl, **settings)
+            def loss(q, k, v, cotangent, lengths, impl, causal):
+                out = dot_product_attention(q, k, v, impl=impl, **{**settings, "causal": causal},
+                                            kv_lengths=lengths if with_lengths else None)
                 return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
-            def reference(q, k, v, settings=settings, causal=None):
-                s = dict(settings) if causal is None else {**settings, "causal": causal}
-                return loss("reference", q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), s)
+            def program(impl, causal=case["causal"], upcast=False):
+                def run(q, k, v, cotangent, lengths):
+                    if upcast:
+                        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+                    return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, cotangent, lengths, impl, causal)
+                return jax.jit(run).lower(q, k, v, cotangent, lengths).compile()
 
-            want_grads, want = jax.jit(jax.grad(reference, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-            _, other = jax.jit(jax.grad(lambda q, k, v: reference(q, k, v, causal=not case["causal"]),
-                                        argnums=(0, 1, 2), has_aux=True))(q, k, v)
+            arguments = (q, k, v, cotangent, lengths)
+            want_grads, want = program("reference", upcast=True)(*arguments)
+            _, other = program("reference", causal=not case["causal"], upcast=True)(*arguments)
             valid = None
-            if case.get("lengths"):  # queries past a row's length have no defined answer in cuDNN
+            if with_lengths:  # queries past a row's length: reported apart ("all rows")
                 valid = (jnp.arange(length)[None, :] < lengths[:, None])[:, :, None, None]
-            for impl in ("auto", "xla", "blockwise"):
+            for impl in impls:
                 try:
-                    fn = jax.jit(jax.grad(lambda q, k, v, impl=impl: loss(impl, q, k, v), argnums=(0, 1, 2),
-                                          has_aux=True))
-                    grads, out = fn(q, k, v)
+                    compiled = program(impl)
+                    grads, out = compiled(*arguments)
                     out32 = out.astype(jnp.float32)
                     error = jnp.abs(out32 - want)
                     entry = {"max_abs_error": float(jnp.max(error if valid is None else jnp.where(valid, error, 0))),
@@ -120,13 +127,13 @@ def section_attention(quick: bool) -> dict:
                                  float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)) / float(jnp.max(jnp.abs(w))))
                                  for g, w in zip(grads, want_grads)],
                              "negative_control_error": float(jnp.max(jnp.abs(out32 - other))),
-                             "fwd_bwd_ms": 1e3 * median_seconds(lambda: jax.block_until_ready(fn(q, k, v)),
-                                                                3 if quick else 10)}
-                    if "cudnn" in fn.lower(q, k, v).compile().as_text().lower():
-                        entry["runs_cudnn_custom_call"] = True
+                             "runs_cudnn_custom_call": "cudnn" in compiled.as_text().lower(),
+                             "fwd_bwd_ms": 1e3 * median_seconds(
+                                 lambda: jax.block_until_ready(compiled(*arguments)), 3 if quick else 10)}
                 except Exception as error:  # noqa: BLE001  (a kernel that refuses a case is a finding)
                     entry = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
                 row[impl] = entry
+                print(json.dumps({name: {impl: entry}}), file=sys.stderr, flush=True)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return {"rows": rows}
@@ -273,7 +280,7 @@ def section_offload(quick: bool) -> dict:
     from dew.objectives.lm import LMObjective
     from dew.training import Layout
 
-    size = LM_QUICK if quick else dict(LM_FULL, layers=4, batch=8)
+    size = LM_QUICK if quick else dict(LM_FULL, layers=2 if SHORT else 4, batch=8)
     batches = lm_batches(size, 4)
 
     def trainer(layout=Layout(), remat=None):
@@ -298,12 +305,14 @@ def section_offload(quick: bool) -> dict:
         try:
             t = trainer(**settings)
             entry["memory"] = analysis(t)
-            harness.fit_window(t, batches, size["batch"], 3)
-            entry["losses"] = [row["loss"] for row in t.history]
+            if not SHORT:
+                harness.fit_window(t, batches, size["batch"], 3)
+                entry["losses"] = [row["loss"] for row in t.history]
         except Exception as error:  # noqa: BLE001
             entry["error"] = f"{type(error).__name__}: {str(error)[:400]}"
             entry["traceback"] = traceback.format_exc()[-1500:]
         result[name] = entry
+        print(json.dumps({name: entry}), file=sys.stderr, flush=True)
 
     def device_bytes(entry):
         m = entry.get("memory", {})
@@ -443,6 +452,8 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--budget", type=float, default=500.0,
                         help="seconds for the whole run: a section gets what is left, up to its own limit")
+    parser.add_argument("--short", action="store_true",
+                        help="each section's shortest form: no blockwise attention rows, host memory compiled only")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # a section's own process
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -454,7 +465,8 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1",
+           **({"DEW_GPU_CHECK_SHORT": "1"} if args.short else {})}
     deadline = time.perf_counter() + args.budget
     with tempfile.TemporaryDirectory(prefix="dew-gpu-check-") as workdir:
         for name in args.sections.split(","):
