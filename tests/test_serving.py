@@ -167,6 +167,36 @@ def test_traffic_never_recompiles_the_step_and_prompts_compile_once_per_width():
     assert serving._decode_jit._cache_size() == decodes
 
 
+def test_steady_traffic_compiles_nothing_not_even_an_eager_op():
+    """Rows leaving one, then three at a time, run only programs compiled before: the host keeps no
+    eager device op in its step (each traces on the host, and compiles for every new shape)."""
+    task = TextGeneration(*_model(max_seq_len=52))  # a model no other test uses: its programs are its own
+    server = Server.from_task(task, slots=3, capacity=52)
+    greedy = Sampling(temperature=0.0)
+    _serve_staggered(server, [([1 + i, 2, 3], 2 + 3 * i, greedy, i) for i in range(3)])  # rows leave one by one
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        together = [server.submit([5, 6, 7], max_new_tokens=4, sampling=greedy, seed=10 + i) for i in range(3)]
+        while not all(r.finished for r in together):
+            server.step()  # all three rows leave at the same step
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    # the listener does see a compile: a prompt of a new width compiles its prefill
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        _serve_staggered(server, [(list(range(1, 20)), 2, greedy, 0)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles
+
+
 def test_reload_swaps_the_weights_between_steps(task):
     other_model, other_variables = _model()
     other_variables = jax.tree_util.tree_map(lambda x: x * 1.5, other_variables)

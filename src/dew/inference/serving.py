@@ -103,8 +103,9 @@ class Request:
         return [event.token for event in self.events]
 
 
-def _prefill(model, variables, cache, state, row, tokens, length, row_key, settings):
-    """Prefill one prompt ``tokens [1, W]`` (its first `length` real) and seat it in row `row`."""
+def _prefill(model, variables, cache, state, row, tokens, length, seed_key, settings):
+    """Prefill one prompt ``tokens [1, W]`` (its first `length` real) and seat it in row `row`;
+    ``seed_key`` is ``jax.random.key(seed)`` of the request (see `_row_key`)."""
     width = tokens.shape[1]
     local = model.init_cache(1, width)  # the layout and dtype of the server's own cache
     positions = jnp.arange(width, dtype=jnp.int32)[None]
@@ -114,7 +115,7 @@ def _prefill(model, variables, cache, state, row, tokens, length, row_key, setti
     state = dict(
         state,
         logits=state["logits"].at[row].set(logits[0, length - 1]),
-        keys=state["keys"].at[row].set(row_key),
+        keys=state["keys"].at[row].set(_row_key(seed_key)),
         drawn=state["drawn"].at[row].set(0),
         live=state["live"].at[row].set(True),
         settings=state["settings"].set_row(row, settings),
@@ -122,7 +123,7 @@ def _prefill(model, variables, cache, state, row, tokens, length, row_key, setti
     return cache, state
 
 
-def _prefill_pages(model, variables, cache, state, row, tokens, start, stop, final, row_key, settings):
+def _prefill_pages(model, variables, cache, state, row, tokens, start, stop, final, seed_key, settings):
     """Prefill prompt tokens ``start .. stop - 1`` (``tokens [1, W]``, the first ``stop - start``
     real) straight into row `row`'s pages, after the ``start`` its pages already hold. The row
     decodes from the next step once the `final` piece is in."""
@@ -142,7 +143,7 @@ def _prefill_pages(model, variables, cache, state, row, tokens, start, stop, fin
     state = dict(
         state,
         logits=state["logits"].at[row].set(logits[0, stop - start - 1]),
-        keys=state["keys"].at[row].set(row_key),
+        keys=state["keys"].at[row].set(_row_key(seed_key)),
         drawn=state["drawn"].at[row].set(0),
         live=state["live"].at[row].set(final),
         settings=state["settings"].set_row(row, settings),
@@ -180,14 +181,17 @@ def _decode(model, variables, cache, state, *, steps):
     return cache.replace(page_table=table), state, tokens, log_probs
 
 
-def _request_key(request: Request) -> jax.Array:
-    """The key `TextGeneration` gives this request's prompt when it runs alone with its seed."""
-    return _row_keys(jax.random.key(request.seed), 1, 1)[0]
+def _row_key(seed_key: jax.Array) -> jax.Array:
+    """The key `TextGeneration` gives a prompt run alone with ``jax.random.key(seed)``. Derived inside
+    the prefill programs: run eagerly on the host, its few vmapped folds cost milliseconds a request."""
+    return _row_keys(seed_key, 1, 1)[0]
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("model",), donate_argnames=("cache", "state"))
 _prefill_pages_jit = jax.jit(_prefill_pages, static_argnames=("model",), donate_argnames=("cache", "state"))
 _decode_jit = jax.jit(_decode, static_argnames=("model", "steps"), donate_argnames=("cache", "state"))
+# rows leaving: one compiled program whatever their number (an eager scatter traces on every call)
+_keep_live_jit = jax.jit(jnp.logical_and, donate_argnums=0)
 
 
 class Server:
@@ -434,7 +438,9 @@ class Server:
         """Mark rows free on the device so they stop decoding until a request is seated there, and
         give the requests' pages back."""
         if rows:
-            self._state = dict(self._state, live=self._state["live"].at[jnp.asarray(rows)].set(False))
+            keep = np.ones(self.slots, bool)
+            keep[rows] = False
+            self._state = dict(self._state, live=_keep_live_jit(self._state["live"], keep))
             for row in rows:
                 self._mask_row(row, None)
         if self.paged and requests:
@@ -482,8 +488,8 @@ class Server:
             tokens = np.zeros((1, width), np.int32)
             tokens[0, :length] = request.prompt
             self._cache, self._state = _prefill_jit(
-                self.model, self.variables, self._cache, self._state, jnp.int32(row), jnp.asarray(tokens),
-                jnp.int32(length), _request_key(request), RowSampling.of(request.sampling),
+                self.model, self.variables, self._cache, self._state, np.int32(row), tokens,
+                np.int32(length), jax.random.key(request.seed), RowSampling.of(request.sampling),
             )
 
     def _prefill_pieces(self) -> None:
@@ -498,8 +504,8 @@ class Server:
             tokens = np.zeros((1, width), np.int32)
             tokens[0, : stop - start] = request.prompt[start:stop]
             self._cache, self._state = _prefill_pages_jit(
-                self.model, self.variables, self._cache, self._state, jnp.int32(row), jnp.asarray(tokens),
-                jnp.int32(start), jnp.int32(stop), jnp.asarray(stop == length), _request_key(request),
+                self.model, self.variables, self._cache, self._state, np.int32(row), tokens,
+                np.int32(start), np.int32(stop), np.bool_(stop == length), jax.random.key(request.seed),
                 RowSampling.of(request.sampling),
             )
             request.prefilled = stop
