@@ -96,6 +96,7 @@ class DewSide(harness.Runner):
         dense_pages = load["slots"] * -(-capacity // PAGE_SIZE)
         options = {
             "server": {},
+            "server_steps8": dict(decode_steps=8),
             "paged": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=int(PAGED_SHARE * dense_pages))),
             "chunked": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages), chunk=CHUNK),
             "prefix": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages), prefix_cache=True),
