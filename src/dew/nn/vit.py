@@ -23,6 +23,8 @@ attention projections, ("embed", "mlp") / ("mlp", "embed") for the MLP and the m
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -33,9 +35,37 @@ from dew.nn.attention import dot_product_attention
 from dew.nn.embeddings import dense
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def over_tokens(v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A per-example vector ``v [B, D]`` repeated over every token of ``shape`` ``[B, ..., D]``.
+
+    The values are `jnp.broadcast_to`'s. What differs is the gradient: its sum over the tokens is
+    taken as a product with a vector of ones, where a broadcast's transpose is a sum over the
+    middle axis of ``[B, N, D]``, which XLA:CPU runs at about a sixth of the product's speed (48
+    sums of [16, 64, 128]: 14.8 ms against 2.2 ms). The adaLN shifts, scales and gates of the
+    diffusion transformers take their gradients this way.
+    """
+    return jnp.broadcast_to(v.reshape(v.shape[0], *[1] * (len(shape) - 2), v.shape[-1]), shape)
+
+
+@over_tokens.defjvp
+def _over_tokens_jvp(shape, primals, tangents):
+    (v,), (dv,) = primals, tangents
+    ones = jnp.ones((v.shape[0], math.prod(shape[1:-1])), dv.dtype)
+    # linear in dv, and transposed (reverse mode) into the product with ones; a v of batch 1
+    # against a larger batch broadcasts after it
+    repeated = jnp.einsum("bn,bd->bnd", ones, dv).reshape(v.shape[0], *shape[1:])
+    return over_tokens(v, shape), jnp.broadcast_to(repeated, shape)
+
+
 def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [B, L, D] * (1 + scale [B, D]) + shift [B, D]."""
-    return x * (1 + scale[:, None, :]) + shift[:, None, :]
+    """x [B, ..., D] * (1 + scale [B, D]) + shift [B, D]."""
+    return x * (1 + over_tokens(scale, x.shape)) + over_tokens(shift, x.shape)
+
+
+def gated(x: jax.Array, gate: jax.Array, h: jax.Array) -> jax.Array:
+    """The gated residual x + gate [B, D] * h, with h [B, ..., D] of x's shape."""
+    return x + over_tokens(gate, h.shape) * h
 
 
 def layer_norm(name: str | None = None, *, affine: bool = False, dtype: Any = jnp.float32,
@@ -180,13 +210,13 @@ class AdaLNZeroBlock(nn.Module):
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = Modulation(6, x.shape[-1], name="modulation", **kw)(c)
         h = modulate(layer_norm("norm1", **kw)(x), shift_a, scale_a)
         h = SelfAttention(self.num_heads, self.attention_impl, name="attn", **kw)(h, mask)
-        x = x + gate_a[:, None, :] * h
+        x = gated(x, gate_a, h)
         if text is not None:
             h = layer_norm("norm_cross", affine=True, **kw)(x)
             x = x + CrossAttention(self.num_heads, self.attention_impl, name="cross_attn", **kw)(h, text, text_valid)
         h = modulate(layer_norm("norm2", **kw)(x), shift_m, scale_m)
         h = MlpBlock(self.mlp_ratio, name="mlp", **kw)(h)
-        return x + gate_m[:, None, :] * h
+        return gated(x, gate_m, h)
 
 
 class TransformerBlock(nn.Module):

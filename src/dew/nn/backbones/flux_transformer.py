@@ -35,7 +35,7 @@ from dew.nn.attention import check_attention_impl
 from dew.nn.backbones.decoder_parts import RMSNorm
 from dew.nn.backbones.dit import check_image
 from dew.nn.embeddings import check_conditions, dense, sinusoidal_features
-from dew.nn.vit import attend, layer_norm, modulate
+from dew.nn.vit import attend, gated, layer_norm, modulate
 
 ROPE_THETA = 10000.0  # FluxPosEmbed's theta
 FREQUENCY_FEATURES = 256  # the sinusoid width of the timestep and guidance embeddings (cos then sin, as
@@ -246,11 +246,11 @@ class FluxTransformerBlock(nn.Module):
             modulate(layer_norm(**kw)(x), shift, scale), cos, sin,
             ctx=modulate(layer_norm(**kw)(ctx), c_shift, c_scale))
 
-        x = x + gate[:, None] * x_attn
-        x = x + gate_mlp[:, None] * FeedForward(name="ff", **kw)(modulate(layer_norm(**kw)(x), shift_mlp, scale_mlp))
-        ctx = ctx + c_gate[:, None] * t_attn
-        ctx = ctx + c_gate_mlp[:, None] * FeedForward(name="ff_context", **kw)(
-            modulate(layer_norm(**kw)(ctx), c_shift_mlp, c_scale_mlp))
+        x = gated(x, gate, x_attn)
+        x = gated(x, gate_mlp, FeedForward(name="ff", **kw)(modulate(layer_norm(**kw)(x), shift_mlp, scale_mlp)))
+        ctx = gated(ctx, c_gate, t_attn)
+        ctx = gated(ctx, c_gate_mlp, FeedForward(name="ff_context", **kw)(
+            modulate(layer_norm(**kw)(ctx), c_shift_mlp, c_scale_mlp)))
         return x, ctx
 
 
@@ -277,7 +277,7 @@ class FluxSingleTransformerBlock(nn.Module):
         mlp = nn.gelu(dense(int(features * self.mlp_ratio), ("embed", "mlp"), "proj_mlp", **kw)(normed), approximate=True)
         attn = FluxAttention(self.num_heads, self.head_dim, self.attention_impl, name="attn", **kw)(normed, cos, sin)
         both = jnp.concatenate([attn, mlp], axis=-1)
-        return h + gate[:, None] * dense(features, ("mlp", "embed"), "proj_out", **kw)(both)
+        return gated(h, gate, dense(features, ("mlp", "embed"), "proj_out", **kw)(both))
 
 
 # ------------------------------------------------------------------ the model

@@ -43,7 +43,7 @@ from dew.nn.embeddings import (
     text_tokens,
     unpatchify,
 )
-from dew.nn.vit import QKV, FinalLayer, MlpBlock, Modulation, attend, layer_norm, modulate
+from dew.nn.vit import QKV, FinalLayer, MlpBlock, Modulation, attend, gated, layer_norm, modulate
 
 
 class JointBlock(nn.Module):
@@ -76,14 +76,14 @@ class JointBlock(nn.Module):
         out = attend(q, k, v, mask=keys[:, None, None, :], impl=self.attention_impl)
         x_out, t_out = out[:, : x.shape[1]], out[:, x.shape[1]:]
 
-        x = x + x_mod[2][:, None] * dense(features, ("heads", "embed"), "image_out", **kw)(x_out)
+        x = gated(x, x_mod[2], dense(features, ("heads", "embed"), "image_out", **kw)(x_out))
         h = modulate(layer_norm("image_norm2", **kw)(x), x_mod[3], x_mod[4])
-        x = x + x_mod[5][:, None] * MlpBlock(self.mlp_ratio, name="image_mlp", **kw)(h)
+        x = gated(x, x_mod[5], MlpBlock(self.mlp_ratio, name="image_mlp", **kw)(h))
         if self.last:
             return x, ctx
-        ctx = ctx + t_mod[2][:, None] * dense(features, ("heads", "embed"), "text_out", **kw)(t_out)
+        ctx = gated(ctx, t_mod[2], dense(features, ("heads", "embed"), "text_out", **kw)(t_out))
         h = modulate(layer_norm("text_norm2", **kw)(ctx), t_mod[3], t_mod[4])
-        ctx = ctx + t_mod[5][:, None] * MlpBlock(self.mlp_ratio, name="text_mlp", **kw)(h)
+        ctx = gated(ctx, t_mod[5], MlpBlock(self.mlp_ratio, name="text_mlp", **kw)(h))
         return x, ctx
 
 

@@ -40,7 +40,7 @@ from dew.nn.embeddings import (
     sinusoidal_features,
     unpatchify,
 )
-from dew.nn.vit import attend, layer_norm, modulate
+from dew.nn.vit import attend, gated, layer_norm, modulate
 
 QK_NORMS = (None, "rms_norm")  # the qk_norm values Dew implements (SD3: None, SD3.5: "rms_norm")
 TIMESTEP_FEATURES = 256  # the sinusoid width of diffusers' Timesteps(256, flip_sin_to_cos=True)
@@ -235,18 +235,18 @@ class JointBlock(nn.Module):
 
         image_out, text_out = Attention(context_pre_only=self.context_pre_only, name="attn", **attention)(
             modulate(normed, shift_msa, scale_msa), normed_ctx)
-        x = x + gate_msa[:, None] * image_out
+        x = gated(x, gate_msa, image_out)
         if self.dual_attention:
             shift_msa2, scale_msa2, gate_msa2 = image_mod[6:]
             image_out2, _ = Attention(joint=False, name="attn2", **attention)(modulate(normed, shift_msa2, scale_msa2))
-            x = x + gate_msa2[:, None] * image_out2
-        x = x + gate_mlp[:, None] * FeedForward(name="ff", **kw)(modulate(layer_norm(**kw)(x), shift_mlp, scale_mlp))
+            x = gated(x, gate_msa2, image_out2)
+        x = gated(x, gate_mlp, FeedForward(name="ff", **kw)(modulate(layer_norm(**kw)(x), shift_mlp, scale_mlp)))
         if self.context_pre_only:
             return x, None
 
-        ctx = ctx + c_gate_msa[:, None] * text_out
+        ctx = gated(ctx, c_gate_msa, text_out)
         h = modulate(layer_norm(**kw)(ctx), c_shift_mlp, c_scale_mlp)
-        ctx = ctx + c_gate_mlp[:, None] * FeedForward(name="ff_context", **kw)(h)
+        ctx = gated(ctx, c_gate_mlp, FeedForward(name="ff_context", **kw)(h))
         return x, ctx
 
 

@@ -36,7 +36,7 @@ from dew.nn.embeddings import (
     sincos_positions,
     unpatchify,
 )
-from dew.nn.vit import FinalLayer, MlpBlock, Modulation, SelfAttention, layer_norm, modulate
+from dew.nn.vit import FinalLayer, MlpBlock, Modulation, SelfAttention, gated, layer_norm, modulate
 
 
 class FactorizedBlock(nn.Module):
@@ -63,7 +63,7 @@ class FactorizedBlock(nn.Module):
         h = modulate(layer_norm("norm_spatial", **kw)(tokens), mod[0], mod[1])
         h = h.reshape(batch * frames, height * width, features)
         h = SelfAttention(self.num_heads, self.attention_impl, name="spatial_attn", **kw)(h)
-        tokens = tokens + mod[2][:, None] * h.reshape(batch, -1, features)
+        tokens = gated(tokens, mod[2], h.reshape(batch, -1, features))
 
         # time: one sequence of t tokens per (example, spatial location)
         h = modulate(layer_norm("norm_temporal", **kw)(tokens), mod[3], mod[4])
@@ -71,10 +71,10 @@ class FactorizedBlock(nn.Module):
         h = SelfAttention(self.num_heads, self.attention_impl, name="temporal_attn", **kw)(
             h.reshape(batch * height * width, frames, features))
         h = h.reshape(batch, height * width, frames, features).transpose(0, 2, 1, 3)
-        tokens = tokens + mod[5][:, None] * h.reshape(batch, -1, features)
+        tokens = gated(tokens, mod[5], h.reshape(batch, -1, features))
 
         h = modulate(layer_norm("norm_mlp", **kw)(tokens), mod[6], mod[7])
-        tokens = tokens + mod[8][:, None] * MlpBlock(self.mlp_ratio, name="mlp", **kw)(h)
+        tokens = gated(tokens, mod[8], MlpBlock(self.mlp_ratio, name="mlp", **kw)(h))
         return tokens.reshape(x.shape)
 
 
