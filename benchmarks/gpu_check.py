@@ -207,6 +207,7 @@ def section_lm_train(quick: bool) -> dict:
             result[name] = {"tokens_per_second": steps * result["tokens_per_step"] / statistics.median(seconds),
                             "first_fit_s": compile_s}
         result[f"{name}_losses"] = [round(x, 4) for x in losses[name]]
+        print(json.dumps({name: result.get(name), "losses": result[f"{name}_losses"]}), file=sys.stderr, flush=True)
     drift = max(abs(a - b) / abs(b) for a, b in zip(losses["bf16_auto"], losses["f32_xla"]))
     result["bf16_vs_f32_max_rel_loss_difference"] = drift
     result["bf16_losses_within_2_percent"] = drift < 0.02
@@ -265,6 +266,7 @@ def section_lm_train_torch(quick: bool) -> dict:
                 [window(forward, steps) for _ in range(3)])
         except Exception as error:  # noqa: BLE001  (torch.compile may not build here)
             result[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     return result
 
 
