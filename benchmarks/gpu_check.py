@@ -469,6 +469,9 @@ def main() -> None:
         record = run_section(args.section, args.quick, Path(args.workdir))
         print(json.dumps({"section": args.section, "seconds": round(time.perf_counter() - started, 1), **record}))
         return
+    unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; the sections are {', '.join(SECTIONS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1",
