@@ -53,12 +53,6 @@ LIMITS = {"attention": 180, "offload": 150, "lm_train": 240, "serve": 330, "lm_t
           "serve_torch": 120}
 
 
-def on_gpu() -> bool:
-    import jax
-
-    return jax.devices()[0].platform == "gpu"
-
-
 def median_seconds(call, repeats: int) -> float:
     """Median wall seconds of `call()` (which must wait for its own result) after one warm call."""
     call()
@@ -78,7 +72,7 @@ def section_attention(quick: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from dew.nn.attention import dot_product_attention, reference_attention, resolve_attention_impl
+    from dew.nn.attention import dot_product_attention, resolve_attention_impl
 
     shapes = [(1, 128, 4, 2, 64)] if quick else [(4, 2048, 16, 4, 128)]
     impls = ("auto", "xla") if SHORT else ("auto", "xla", "blockwise")
@@ -177,7 +171,6 @@ def section_lm_train(quick: bool) -> dict:
     import jax.numpy as jnp
     import optax
 
-    sys.path.insert(0, str(HERE))
     import harness
 
     from dew import Trainer
@@ -278,7 +271,6 @@ def section_offload(quick: bool) -> dict:
     import jax.numpy as jnp
     import optax
 
-    sys.path.insert(0, str(HERE))
     import harness
 
     from dew import Trainer
@@ -346,25 +338,18 @@ def section_offload(quick: bool) -> dict:
 
 def serve_setup(workdir: Path, quick: bool) -> dict:
     """The serve.py load and checkpoint in `workdir` (built once, by the first serving section)."""
-    import numpy as np
-
-    sys.path.insert(0, str(HERE))
     import serve
 
     load = serve.QUICK if quick else serve.FULL
     if not (workdir / "checkpoint").exists():
         serve.build_checkpoint(str(workdir / "checkpoint"))
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, serve.SERVE_CONFIG["vocab_size"], int(n)).tolist()
-                   for n in rng.integers(load["shortest"], load["longest"] + 1, load["requests"])]
-        (workdir / "prompts.json").write_text(json.dumps(prompts))
+        serve.write_prompts(workdir, load)
     return load
 
 
 def section_serve(quick: bool, workdir: Path) -> dict:
     import numpy as np
 
-    sys.path.insert(0, str(HERE))
     import serve
 
     load = serve_setup(workdir, quick)
@@ -403,7 +388,6 @@ def section_serve_torch(quick: bool, workdir: Path) -> dict:
     import transformers
     from transformers import GenerationConfig
 
-    sys.path.insert(0, str(HERE))
     import serve
 
     load = serve_setup(workdir, quick)
@@ -464,7 +448,7 @@ def main() -> None:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.section:
-        sys.path.insert(0, str(SRC))
+        sys.path[:0] = [str(SRC), str(HERE)]  # Dew, and the benchmarks' harness and serve.py
         started = time.perf_counter()
         record = run_section(args.section, args.quick, Path(args.workdir))
         print(json.dumps({"section": args.section, "seconds": round(time.perf_counter() - started, 1), **record}))

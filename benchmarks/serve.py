@@ -60,6 +60,14 @@ def build_checkpoint(directory: str) -> None:
     model.save_pretrained(directory)
 
 
+def write_prompts(workdir: Path, load: dict) -> None:
+    """The load's random prompts (a fixed seed), into `workdir`/prompts.json for every side."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, SERVE_CONFIG["vocab_size"], int(n)).tolist()
+               for n in rng.integers(load["shortest"], load["longest"] + 1, load["requests"])]
+    (workdir / "prompts.json").write_text(json.dumps(prompts))
+
+
 def load_prompts(workdir: Path, shared_prefix: bool = False) -> list[list[int]]:
     prompts = json.loads((workdir / "prompts.json").read_text())
     if shared_prefix:
@@ -224,10 +232,7 @@ def main() -> None:
         workdir = Path(directory)
         subprocess.run([args.peer_python, script, "--build-checkpoint", str(workdir / "checkpoint")],
                        env=harness.peer_environment(), check=True, stdout=sys.stderr)
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, SERVE_CONFIG["vocab_size"], int(n)).tolist()
-                   for n in rng.integers(load["shortest"], load["longest"] + 1, load["requests"])]
-        (workdir / "prompts.json").write_text(json.dumps(prompts))
+        write_prompts(workdir, load)
         config = {"load": load}
         sides = [harness.side("dew Server", "dew", script, [], {**config, "side": "server"}, python=args.dew_python),
                  harness.side("dew static generate", "reference", script, [], {**config, "side": "static"},
