@@ -197,6 +197,62 @@ def test_steady_traffic_compiles_nothing_not_even_an_eager_op():
     assert compiles
 
 
+def test_the_next_call_is_launched_before_the_last_one_is_read(task, monkeypatch):
+    """The host reads call k's draws only after launching call k+1, so the device never waits on
+    the host; a call with a guided row is read at once. The draws stay each request's own."""
+    log = []
+
+    class Watched:  # a call's draws, logging when the host reads them
+        def __init__(self, array, name):
+            self.array, self.name = array, name
+
+        def __array__(self, dtype=None, copy=None):
+            log.append(("read", self.name))
+            return np.asarray(self.array, dtype)
+
+    decode, launched = serving._decode_jit, iter(range(1000))
+
+    def watched_decode(*args, **kwargs):
+        cache, state, tokens, log_probs = decode(*args, **kwargs)
+        name = next(launched)
+        log.append(("launch", name))
+        return cache, state, Watched(tokens, name), log_probs
+
+    monkeypatch.setattr(serving, "_decode_jit", watched_decode)
+    server = Server.from_task(task, slots=2, capacity=48)
+    greedy = Sampling(temperature=0.0)
+    requests = [server.submit([4, 8, 15 + i], max_new_tokens=3 + i, sampling=greedy, seed=i) for i in range(2)]
+    assert server.step() == []  # its call is in flight, not read
+    while not all(r.finished for r in requests):
+        server.step()
+    launches = [name for kind, name in log if kind == "launch"]
+    reads = [name for kind, name in log if kind == "read"]
+    assert reads == launches[: len(reads)]
+    for name in reads:  # call k is read after call k+1 was launched
+        assert log.index(("launch", name + 1)) < log.index(("read", name))
+    for request in requests:
+        assert request.tokens == _alone(task, request, REFERENCE_BUDGET)[0]
+
+    class Grammar:  # allows every token: a guided row whose call is read at once
+        vocab_size, initial, eos_id = VOCAB, 0, -1
+
+        def mask(self, state):
+            return np.ones(VOCAB, bool)
+
+        def advance(self, state, token):
+            return state
+
+    log.clear()
+    guided = server.submit([4, 8, 15], max_new_tokens=2, sampling=greedy, seed=0, grammar=Grammar())
+    while not guided.finished:
+        server.step()
+    guided_launches = [name for kind, name in log if kind == "launch"]
+    for name, after in zip(guided_launches, guided_launches[1:]):  # each read before the next launch
+        assert log.index(("read", name)) < log.index(("launch", after))
+    assert ("read", guided_launches[-1]) in log
+    assert guided.tokens == requests[0].tokens[:2]  # same prompt, seed and greedy draws
+
+
 def test_reload_swaps_the_weights_between_steps(task):
     other_model, other_variables = _model()
     other_variables = jax.tree_util.tree_map(lambda x: x * 1.5, other_variables)

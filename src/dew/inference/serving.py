@@ -194,6 +194,18 @@ _decode_jit = jax.jit(_decode, static_argnames=("model", "steps"), donate_argnam
 _keep_live_jit = jax.jit(jnp.logical_and, donate_argnums=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A launched decode call: the rows it decodes with their requests at launch, and its draws
+    ``[steps, slots]`` (device arrays until read)."""
+
+    running: list[tuple[int, Request]]
+    tokens: Any
+    log_probs: Any
+    steps: int
+    guided: bool
+
+
 class Server:
     """Continuous batching of a `TextGeneration` task's decoder over ``slots`` rows of ``capacity`` tokens.
 
@@ -263,6 +275,7 @@ class Server:
         self._allowed = np.ones((self.slots, self.model.vocab_size), bool)  # host copy of state["allowed"]
         self._allowed_changed = False
         self._rows: list[Request | None] = [None] * self.slots
+        self._pending: _Call | None = None  # the decode call launched last, not read yet
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()  # submit/cancel (any thread) against step (the stepping thread)
         self._reload: Any = None
@@ -347,9 +360,15 @@ class Server:
     # --- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[Request, TokenEvent]]:
-        """Admit queued requests into free rows, run one decode call, and return what it drew.
+        """Admit queued requests into free rows, launch one decode call, and return what the last
+        finished call drew.
 
-        Events are in draw order; a request whose event finishes it has left its row.
+        Calls overlap with the host: a call is launched before the tokens of the one before it are
+        read, so the device never waits while the host hands out tokens, frees rows and admits
+        requests. A step therefore returns the draws of the call launched one step earlier (a row
+        that finished there may have decoded once more, unseen). A call with a guided row is read at
+        once, since its grammar's next mask needs the token just drawn. Events are in draw order; a
+        request whose event finishes it has left its row.
         """
         if self._reload is not None:
             variables, self._reload = self._reload, None
@@ -362,9 +381,18 @@ class Server:
         self._admit()
         if self.paged:
             self._prefill_pieces()
-        running = [(row, r) for row, r in enumerate(self._rows) if r is not None and self._decoding(r)]
-        if not running:
-            return []
+        running = [(row, r) for row, r in enumerate(self._rows)
+                   if r is not None and not r.finished and self._decoding(r)]
+        launched = self._launch(running) if running else None
+        events = self._collect(self._pending) if self._pending is not None else []
+        self._pending = launched
+        if launched is not None and launched.guided:
+            events += self._collect(launched)
+            self._pending = None
+        return events
+
+    def _launch(self, running: list[tuple[int, Request]]) -> _Call:
+        """Start one decode call over every live row; its draws stay on the device until read."""
         guided = any(request.grammar is not None for _, request in running)
         steps = 1 if guided else self.decode_steps  # a grammar's next mask needs the token just drawn
         if self._allowed_changed:
@@ -373,11 +401,16 @@ class Server:
         self._cache, self._state, tokens, log_probs = _decode_jit(
             self.model, self.variables, self._cache, self._state, steps=steps
         )
-        tokens, log_probs = np.asarray(tokens), np.asarray(log_probs)
-        events, freed, failed = [], [], []
-        for t in range(steps):
-            for row, request in running:
-                if request.finished:
+        return _Call(running, tokens, log_probs, steps, guided)
+
+    def _collect(self, call: _Call) -> list[tuple[Request, TokenEvent]]:
+        """Read a launched call's draws (waiting for it), hand them to their requests, and free the
+        rows of the requests they finish. Rows whose request finished earlier are skipped."""
+        tokens, log_probs = np.asarray(call.tokens), np.asarray(call.log_probs)
+        events, freed, done, failed = [], [], [], []
+        for t in range(call.steps):
+            for row, request in call.running:
+                if request.finished or request.cancelled or request.error is not None:
                     continue
                 token = int(tokens[t, row])
                 if request.grammar is not None and not self._advance_grammar(row, request, token):
@@ -395,10 +428,11 @@ class Server:
                 events.append((request, event))
                 if reason is not None:
                     freed.append(row)
+                    done.append(request)
         with self._lock:
             for row in freed + [row for row, _ in failed]:
                 self._rows[row] = None
-        done = [request for _, request in running if request.finished] + [request for _, request in failed]
+        done += [request for _, request in failed]
         self._stop_rows(freed + [row for row, _ in failed], done)
         self._count_emitted(len(events))
         for _, request in failed:
@@ -577,6 +611,7 @@ class Server:
             held = [r for r in self._rows if r is not None]
             self._queue.clear()
             self._rows = [None] * self.slots
+        self._pending = None  # its draws belong to the requests failed here
         self._state = dict(self._state, live=jnp.zeros((self.slots,), bool))  # not read: a failed step may have eaten it
         self._stop_rows([], held)
         for request in failed:
