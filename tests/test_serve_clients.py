@@ -4,7 +4,8 @@ task draws locally for the same prompt, sampling and seed.
 
 Every prompt here (and the chat prompt the template renders) is 9 to 16 tokens long and every
 request draws 6 tokens, greedy or at temperature 0.8, so the server and the local task each compile
-only a few programs.
+only a few programs. The server runs three decode iterations per device call (`--decode-steps 3`), so
+requests also end inside a call.
 """
 
 import json
@@ -62,7 +63,7 @@ def served(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dew.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     log = open(root / "serve.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "dew.cli.main", "serve", str(root / "tiny"), "--port", str(port),
-                                "--name", "tiny", "--max-in-flight", "96"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                "--name", "tiny", "--max-in-flight", "96", "--decode-steps", "3"], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     try:
