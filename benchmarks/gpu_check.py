@@ -45,12 +45,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
-SECTIONS = ("attention", "offload", "lm_train", "serve", "lm_train_torch", "serve_torch")
+SECTIONS = ("attention", "offload", "lm_train", "serve", "lm_train_torch", "serve_torch", "serve_step")
 SHORT = bool(os.environ.get("DEW_GPU_CHECK_SHORT"))  # set by --short for the sections' processes
 # seconds per section on an H200 with the machine's own jax 0.11.2, where compiling a program takes
 # ~5-7 s: a whole run needs ~20 minutes, so a session picks sections with --sections
 LIMITS = {"attention": 180, "offload": 150, "lm_train": 240, "serve": 330, "lm_train_torch": 150,
-          "serve_torch": 120}
+          "serve_torch": 120,
+          "serve_step": 330}
 
 
 def median_seconds(call, repeats: int) -> float:
@@ -416,6 +417,110 @@ def section_serve_torch(quick: bool, workdir: Path) -> dict:
     return result
 
 
+# Where a Server call's time goes: each variant in its own process (XLA flags are per process)
+SERVE_STEP_VARIANTS = {
+    "default": {},
+    "no_command_buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "no_cond": {"DEW_GPU_CHECK_NO_COND": "1"},
+    "no_cond_no_command_buffers": {"DEW_GPU_CHECK_NO_COND": "1", "XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+}
+
+
+def section_serve_step(quick: bool, workdir: Path) -> dict:
+    """The Server's decode call on serve.py's model, timed apart, under each of SERVE_STEP_VARIANTS."""
+    serve_setup(workdir, quick)  # the checkpoint, built once
+    result = {}
+    for name, env in SERVE_STEP_VARIANTS.items():
+        command = [sys.executable, __file__, "--out", str(workdir), "--section", "serve_step_one", "--workdir",
+                   str(workdir)] + (["--quick"] if quick else [])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env, "DEW_GPU_CHECK_VARIANT": name})
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        result[name] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+            "error": f"exit {done.returncode}", "stderr": done.stderr[-1500:]}
+        print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
+    return result
+
+
+def section_serve_step_one(quick: bool, workdir: Path) -> dict:
+    """One variant: milliseconds of a Server decode call (1 and 8 iterations) with the host
+    waiting for it, of its launch alone, of a whole `Server.step()`, of a one-row prefill, and of
+    a step of `generate`'s loop over the same rows (the static batch's inner loop)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if os.environ.get("DEW_GPU_CHECK_NO_COND"):  # every lax.cond as both branches and a select
+        def cond(pred, true_fun, false_fun, *operands):
+            return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fun(*operands), false_fun(*operands))
+
+        jax.lax.cond = cond
+
+    import serve
+    from dew.inference import TextGeneration
+    from dew.inference import serving
+    from dew.interop import PretrainedDecoder
+    from dew.sampling import Sampling, generate
+
+    load = serve.QUICK if quick else serve.FULL
+    bundle = PretrainedDecoder.load(str(workdir / "checkpoint"), dtype=jnp.float32)
+    task = TextGeneration(bundle.model, bundle.variables)
+    slots, capacity, prompt = load["slots"], load["longest"] + load["new"], load["longest"] // 2
+    server = serving.Server.from_task(task, slots=slots, capacity=capacity)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, serve.SERVE_CONFIG["vocab_size"], prompt).tolist() for _ in range(slots)]
+    greedy = Sampling(temperature=0.0)
+    for p in prompts:
+        server.submit(p, max_new_tokens=capacity - prompt, sampling=greedy, seed=0)
+    server.step()  # every row seated: one prefill width
+    server.step()
+
+    def decode(steps):
+        server._cache, server._state, tokens, _ = serving._decode_jit(
+            server.model, server.variables, server._cache, server._state, steps=steps)
+        return tokens
+
+    def synced(steps):
+        return lambda: np.asarray(decode(steps))
+
+    repeats = 5 if quick else 30
+    result = {"variant": os.environ.get("DEW_GPU_CHECK_VARIANT"), "slots": slots, "capacity": capacity,
+              "jax": jax.__version__}
+    result["decode_1_ms"] = median_seconds(synced(1), repeats) * 1e3
+    result["decode_8_ms"] = median_seconds(synced(8), repeats // 2) * 1e3
+    launches = []
+    for _ in range(repeats):
+        jax.block_until_ready(server._cache)
+        start = time.perf_counter()
+        tokens = decode(1)
+        launches.append(time.perf_counter() - start)
+        np.asarray(tokens)
+    result["launch_1_ms"] = statistics.median(launches) * 1e3
+    result["server_step_ms"] = median_seconds(server.step, repeats) * 1e3
+    width = serving.padded_width(prompt, capacity)
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, :prompt] = prompts[0]
+
+    def prefill():
+        server._cache, server._state = serving._prefill_jit(
+            server.model, server.variables, server._cache, server._state, np.int32(0), tokens, np.int32(prompt),
+            jax.random.key(0), serving.RowSampling.of(greedy))
+        jax.block_until_ready(server._state)
+
+    result["prefill_one_row_ms"] = median_seconds(prefill, repeats) * 1e3
+    if result["variant"] == "default":
+        model, variables = task.weights.get(slots)
+        short, long = 8, 8 + (8 if quick else 64)
+
+        def static(new):
+            return lambda: np.asarray(generate(model, variables, prompts, new, key=jax.random.key(0),
+                                               sampling=greedy).tokens)
+
+        per_call = {new: median_seconds(static(new), 3 if quick else 5) for new in (short, long)}
+        result["generate_step_ms"] = (per_call[long] - per_call[short]) / (long - short) * 1e3
+    return result
+
+
 # --- the parent ---------------------------------------------------------------------------------
 
 
@@ -432,6 +537,10 @@ def run_section(name: str, quick: bool, workdir: Path) -> dict:
         return section_serve(quick, workdir)
     if name == "serve_torch":
         return section_serve_torch(quick, workdir)
+    if name == "serve_step":
+        return section_serve_step(quick, workdir)
+    if name == "serve_step_one":  # one variant's own process, started by serve_step
+        return section_serve_step_one(quick, workdir)
     raise ValueError(f"unknown section {name!r}; the sections are {SECTIONS}")
 
 
