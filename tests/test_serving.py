@@ -446,3 +446,15 @@ def test_check_refuses_what_generate_would_refuse_without_queueing_it(task):
 
     with pytest.raises(ValueError, match="capacity=32"):
         asyncio.run(first_event())
+
+
+def test_finer_prompt_widths_add_the_midpoints_and_pad_at_most_a_third():
+    from dew.sampling.text import padded_width
+
+    lengths = (1, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 300, 385, 900)
+    assert [padded_width(n, 1000, finer=True) for n in lengths] == [
+        8, 8, 12, 12, 16, 16, 24, 24, 32, 48, 64, 384, 512, 1000]
+    assert [padded_width(n, 1000) for n in lengths] == [8, 8, 16, 16, 16, 16, 32, 32, 32, 64, 64, 512, 512, 1000]
+    for n in range(8, 1000):
+        width = padded_width(n, 4096, finer=True)
+        assert n <= width and width - n < width / 3, n

@@ -518,7 +518,7 @@ class Server:
                 self._push_table()
                 continue  # its prompt goes in by `_prefill_pieces`
             length = int(request.prompt.size)
-            width = padded_width(length, self.capacity)
+            width = padded_width(length, self.capacity, finer=True)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, :length] = request.prompt
             self._cache, self._state = _prefill_jit(
@@ -534,7 +534,8 @@ class Server:
                 continue
             start, length = request.prefilled, int(request.prompt.size)
             stop = length if self.chunk is None else min(length, start + self.chunk)
-            width = padded_width(stop - start, self.capacity if self.chunk is None else min(self.chunk, self.capacity))
+            limit = self.capacity if self.chunk is None else min(self.chunk, self.capacity)
+            width = padded_width(stop - start, limit, finer=True)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, : stop - start] = request.prompt[start:stop]
             self._cache, self._state = _prefill_pages_jit(

@@ -258,10 +258,18 @@ _generate_jit = jax.jit(
 # --- the public entry point ----------------------------------------------------------------------
 
 
-def padded_width(length: int, limit: int) -> int:
+def padded_width(length: int, limit: int, *, finer: bool = False) -> int:
     """The padded prompt width for a longest prompt of `length` tokens: the next power of two
-    (at least 8), capped at `limit`. Prompts are padded so new lengths rarely recompile."""
-    return min(max(8, 1 << (length - 1).bit_length()), limit)
+    (at least 8), capped at `limit`. Prompts are padded so new lengths rarely recompile.
+
+    ``finer=True`` also takes 1.5 times each power of two (12, 24, 48, ...): at most a third of a
+    width is padding instead of half, in twice the programs. A server prefilling prompt after
+    prompt takes it, since it compiles each width once and pays for the padding at every prompt.
+    """
+    width = max(8, 1 << (length - 1).bit_length())
+    if finer and width > 8 and length <= width * 3 // 4:
+        width = width * 3 // 4
+    return min(width, limit)
 
 
 def generate(
