@@ -9,10 +9,11 @@ process (benchmarks/harness.py):
 - Dew's `Server` (dense cache, 16 slots of 608 tokens): every request submitted, then `step()` until
   all finish; a request's time to first token is when its first token reached the host.
 - Dew's `Server` over a paged cache (`--paged`): pages of 16 tokens in a pool of 40% of the dense
-  cache's pages (requests queue for pages); the same with the dense cache's pages and chunk=64
-  (chunked prefill); and a shared-prefix load, every prompt behind the same 256 tokens, served
-  paged with and without prefix_cache. Each must draw the dense Server's tokens (the prefix load:
-  each other's).
+  cache's pages (requests queue for pages); the same with the dense cache's pages, prefilling whole
+  prompts and with chunk=64 (chunked prefill); and a shared-prefix load, every prompt behind the
+  same 256 tokens, served paged with and without prefix_cache. Each must draw the dense Server's
+  tokens (the prefix load: each other's). Chunking is judged by the longest `step()`, the longest
+  a decoding row waits for its next token, against the same pool prefilling whole prompts.
 - Dew's static batches: `generate` over the requests 16 at a time in arrival order (prompts padded
   to the batch's longest); a request's first token is visible when its batch's call returns.
 - transformers' continuous batching, `model.generate_batch` (its defaults), at torch's default thread
@@ -20,7 +21,7 @@ process (benchmarks/harness.py):
 
 A window serves the whole load once; the rate is generated tokens over its wall time (median of
 --repeats windows after a warm-up that compiles). Time to first token is reported as p50/p99 over
-the requests of every window. Dew's two sides must draw the same tokens (greedy); the count of
+the requests of every window, and a Server's `step()` times as p50/p99 and the longest. Dew's two sides must draw the same tokens (greedy); the count of
 requests that agree with transformers token for token is reported too (random weights leave
 near-ties, so a late parting is rounding). Prints one JSON line.
 
@@ -46,7 +47,7 @@ SERVE_CONFIG = {**CONFIG, "max_position_embeddings": 1024}
 FULL = dict(requests=48, shortest=32, longest=480, new=128, slots=16)
 QUICK = dict(requests=12, shortest=8, longest=96, new=16, slots=4)
 PAGE_SIZE, PAGED_SHARE, CHUNK, SHARED_PREFIX = 16, 0.4, 64, 256
-PAGED_SIDES = ("paged", "chunked", "prefix", "no_prefix")
+PAGED_SIDES = ("paged", "paged_full", "chunked", "prefix", "no_prefix")
 
 
 def build_checkpoint(directory: str) -> None:
@@ -100,12 +101,14 @@ class DewSide(harness.Runner):
         self.side, self.static = side, side == "static"
         self.greedy, self.generate, self.jax = Sampling(temperature=0.0), generate, jax
         self.first_token_s: list[float] = []
+        self.step_s: list[float] = []  # each Server.step(): the gap a decoding row waits between tokens
         capacity = load["longest"] + load["new"] + (SHARED_PREFIX if shared else 0)
         dense_pages = load["slots"] * -(-capacity // PAGE_SIZE)
         options = {
             "server": {},
             "server_steps8": dict(decode_steps=8),
             "paged": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=int(PAGED_SHARE * dense_pages))),
+            "paged_full": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages)),
             "chunked": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages), chunk=CHUNK),
             "prefix": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages), prefix_cache=True),
             "no_prefix": dict(kv_cache=KVCache(page_size=PAGE_SIZE, pages=dense_pages)),
@@ -114,6 +117,7 @@ class DewSide(harness.Runner):
             self.server = Server.from_task(self.task, slots=load["slots"], capacity=capacity, **options[side])
         self.tokens = self.serve()[1]  # compiles every program the load needs
         self.first_token_s.clear()
+        self.step_s.clear()
         self.info = {"side": side, "jax": jax.__version__, "pages": getattr(self.server, "pages", None)
                      if not self.static else None}
 
@@ -126,7 +130,10 @@ class DewSide(harness.Runner):
                     for p in self.prompts]
         first = {}
         while len(first) < len(requests) or not all(r.finished for r in requests):
-            for request, _ in self.server.step():
+            began = time.perf_counter()
+            drawn = self.server.step()
+            self.step_s.append(time.perf_counter() - began)
+            for request, _ in drawn:
                 first.setdefault(id(request), time.perf_counter() - start)
         seconds = time.perf_counter() - start
         self.first_token_s += list(first.values())
@@ -152,6 +159,8 @@ class DewSide(harness.Runner):
     def finish(self):
         np.save(self.workdir / f"tokens_{self.side}.npy", np.asarray(self.tokens))
         finished = {"first_token_s": percentiles(self.first_token_s)}
+        if self.step_s:
+            finished["step_s"] = {**percentiles(self.step_s), "longest": max(self.step_s)}
         if self.side == "prefix":
             finished["reused_prompt_tokens"] = self.server._pool.reused_tokens
         return finished
@@ -253,9 +262,14 @@ def main() -> None:
         record["server_vs_static"] = agreement(server, static)
         if args.paged:
             rates = {o.name: o.rate for o in result.outcomes}
-            for name in ("paged", "chunked"):
+            for name in ("paged", "paged_full", "chunked"):
                 record[f"{name}_vs_server"] = agreement(np.load(workdir / f"tokens_{name}.npy"), server)
                 record[f"{name}_over_server"] = rates[f"dew Server {name}"] / result.dew.rate
+            longest = {o.name: (o.finished or {}).get("step_s", {}).get("longest") for o in result.outcomes}
+            if longest.get("dew Server chunked") and longest.get("dew Server paged_full"):
+                # chunked prefill against the same pool prefilling whole prompts: the longest step
+                record["chunked_longest_step_over_paged_full"] = (
+                    longest["dew Server chunked"] / longest["dew Server paged_full"])
             prefix, no_prefix = (np.load(workdir / f"tokens_{name}.npy") for name in ("prefix", "no_prefix"))
             record["prefix_vs_no_prefix"] = agreement(prefix, no_prefix)
             record["prefix_over_no_prefix"] = rates["dew Server prefix"] / rates["dew Server no_prefix"]
