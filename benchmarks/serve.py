@@ -21,9 +21,10 @@ process (benchmarks/harness.py):
 
 A window serves the whole load once; the rate is generated tokens over its wall time (median of
 --repeats windows after a warm-up that compiles). Time to first token is reported as p50/p99 over
-the requests of every window, and a Server's `step()` times as p50/p99 and the longest. Dew's two sides must draw the same tokens (greedy); the count of
-requests that agree with transformers token for token is reported too (random weights leave
-near-ties, so a late parting is rounding). Prints one JSON line.
+the requests of every window, and a Server's `step()` times as p50/p99 and the longest. Dew's two
+sides must draw the same tokens (greedy); the count of requests that agree with transformers token
+for token is reported too (random weights leave near-ties, so a late parting is rounding). Prints
+one JSON line.
 
     .venv-ref/bin/python benchmarks/serve.py --dew-python .venv/bin/python [--quick] [--repeats 3] [--paged]
 """

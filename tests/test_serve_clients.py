@@ -63,7 +63,8 @@ def served(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dew.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     log = open(root / "serve.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "dew.cli.main", "serve", str(root / "tiny"), "--port", str(port),
-                                "--name", "tiny", "--max-in-flight", "96", "--decode-steps", "3"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                "--name", "tiny", "--max-in-flight", "96", "--decode-steps", "3"],
+                               stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     try:
