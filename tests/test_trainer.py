@@ -199,6 +199,32 @@ def test_the_step_and_init_compile_once_across_fits(caplog):
     assert compiled.count("Compiling jit(init)") == 1
 
 
+class Heavy(Linear):
+    """Linear with ~50 ms of matrix products in its loss, so a step outlasts the host's work."""
+
+    def loss(self, variables, batch, step):
+        loss, aux = super().loss(variables, batch, step)
+        start = jnp.full((384, 384), 1e-3) + variables["params"]["bias"][0]
+        heavy = jax.lax.fori_loop(0, 40, lambda i, m: jnp.tanh(m @ m), start)
+        return loss + 0.0 * heavy.sum(), aux
+
+
+def test_on_a_cpu_each_step_is_dispatched_once_the_last_one_is_done():
+    """XLA:CPU spends about twice the CPU time on a step dispatched before its inputs are ready,
+    so the loop waits for the state first (the next batch is read and placed meanwhile)."""
+    trainer = Trainer(Heavy(), optax.sgd(0.1), key=jax.random.key(0))
+    step_fn = trainer.compiled_step()
+    ready = []
+
+    def recording(state, batch):
+        ready.append(all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(state.variables)))
+        return step_fn(state, batch)
+
+    trainer._step_fn = recording
+    trainer.fit(linear_data(), steps=4, log_every=4)
+    assert ready == [True] * 4
+
+
 def test_a_batch_that_does_not_match_the_input_spec_names_the_field_and_shapes():
     batch = {"x": np.zeros((8, 4), np.float32), "y": np.zeros((8, 1), np.float32)}
     trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0))
