@@ -63,8 +63,9 @@ def test_dropped_rows_read_the_empty_caption(encoders):
     condition = TextCondition(encoders["clip"], pooled="pooled")
     everything_dropped = objective(condition, prob=1.0).conditions_of(batch_of(condition), jax.random.key(0))
     empty = encoders["clip"](["", ""])
-    np.testing.assert_allclose(everything_dropped["text"], empty.last, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(everything_dropped["embedding"], empty.pooled, atol=1e-6, rtol=0)
+    # the same encoder compiled inside the step and alone: equal up to float32 rounding (a few ulps)
+    np.testing.assert_allclose(everything_dropped["text"], empty.last, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(everything_dropped["embedding"], empty.pooled, atol=1e-5, rtol=0)
     kept = objective(condition, prob=0.0).conditions_of(batch_of(condition), jax.random.key(0))
     assert np.abs(np.asarray(kept["text"]) - np.asarray(empty.last)).max() > 1e-2  # a real caption is not the empty one
 
