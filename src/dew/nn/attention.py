@@ -481,8 +481,9 @@ def blockwise_attention(
     }
     unmasked = (not causal and window is None and q_segment_ids is None and kv_lengths is None
                 and mask is None and kv_pad == 0)
-    row_block = min(groups * (q_len + q_pad), ROWWISE_SCORES // kv_len)
-    rowwise = unmasked and row_block >= min(ROWWISE_MIN_ROWS, groups * (q_len + q_pad)) and _on_cpu()
+    rows = groups * (q_len + q_pad)  # a key/value head's query rows
+    row_block = min(rows, ROWWISE_SCORES // kv_len)
+    rowwise = unmasked and row_block >= min(ROWWISE_MIN_ROWS, rows) and _on_cpu()
     shape = _BlockShape(causal=causal, scale=scale, q_block=q_block, kv_block=kv_block, kv_len=kv_len,
                         precision=precision, unmasked=unmasked, row_block=row_block if rowwise else 0)
     out, lse = _blockwise(shape, qh, kh, vh, rules)
