@@ -342,6 +342,19 @@ def _on_cpu() -> bool:
     return jax.devices()[0].platform == "cpu"
 
 
+def _scaled_queries(q: jax.Array, scale: float, dtype: Any) -> jax.Array:
+    """``q * scale`` in `dtype`: the head-major and blockwise kernels scale the queries, not the scores.
+
+    ``(q * scale) k^T`` is the same product with ``T x H`` multiplies instead of ``T x S``, and it
+    leaves XLA:CPU a bare product to hand to YNNPACK, where a scale on the scores joined the
+    product's fusion and slowed it: the forward pass of batch 2 at 4096 tokens with 8 heads of 8
+    (`_rowwise_forward`) took 176 against 215 ms, 196 against 243 ms with heads of 16, and the
+    head-major kernel's forward and backward pass of 8 heads of 64 over 256 tokens 27 against 33
+    ms (medians of 7-9 calls, 2-core host). Gradients reach ``q`` through the multiply.
+    """
+    return q.astype(dtype) * jnp.asarray(scale, dtype)
+
+
 def head_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
                          scale: float, sinks: jax.Array | None = None) -> jax.Array:
     """The "xla" kernel on CPU: softmax(q k^T * scale, masked) v with the heads moved in front.
@@ -359,8 +372,8 @@ def head_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
-    qh = q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
-    qh = qh.reshape(batch, kv_heads, groups * q_len, head_dim)
+    qh = _scaled_queries(q, scale, q.dtype).reshape(batch, q_len, kv_heads, groups, head_dim)
+    qh = qh.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * q_len, head_dim)
     if mask is not None:  # [B or 1, 1 or heads, T, S] -> the scores' [B or 1, K or 1, G * T, S]
         mask = jnp.asarray(mask, bool)
         if groups > 1 or mask.shape[1] != 1:
@@ -369,25 +382,25 @@ def head_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     row_sinks = None if sinks is None else jnp.repeat(sinks.reshape(kv_heads, groups), q_len, axis=1)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if head_dim < TRANSPOSED_DERIVATIVE_BELOW:
-        out = _head_major_core(qh, kh, vh, mask, row_sinks, scale)
+        out = _head_major_core(qh, kh, vh, mask, row_sinks)
     else:
-        out = _head_major_scores(qh, kh, vh, mask, row_sinks, scale)[0]
+        out = _head_major_scores(qh, kh, vh, mask, row_sinks)[0]
     out = out.reshape(batch, kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, heads, head_dim)
 
 
-def _head_major_scores(q, k, v, mask, row_sinks, scale):
-    """(output, weights) of head-major attention: q [B, K, T, H], k and v [B, K, S, H]."""
-    logits = jnp.einsum("bkth,bksh->bkts", q, k) * jnp.asarray(scale, q.dtype)
+def _head_major_scores(q, k, v, mask, row_sinks):
+    """(output, weights) of head-major attention: q [B, K, T, H] already scaled, k and v [B, K, S, H]."""
+    logits = jnp.einsum("bkth,bksh->bkts", q, k)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
     weights = softmax_with_sinks(logits, row_sinks)  # [K, G * T] sinks, one per query row
     return jnp.einsum("bkts,bksh->bkth", weights, v), weights
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _head_major_core(q, k, v, mask, row_sinks, scale):
-    return _head_major_scores(q, k, v, mask, row_sinks, scale)[0]
+@jax.custom_jvp
+def _head_major_core(q, k, v, mask, row_sinks):
+    return _head_major_scores(q, k, v, mask, row_sinks)[0]
 
 
 def _transposed(x: jax.Array) -> jax.Array:
@@ -397,7 +410,7 @@ def _transposed(x: jax.Array) -> jax.Array:
 
 
 @_head_major_core.defjvp
-def _head_major_core_jvp(scale, primals, tangents):
+def _head_major_core_jvp(primals, tangents):
     """The derivative written so that its transpose (the backward pass) gives every product its
     contracted axis last on the left operand.
 
@@ -412,9 +425,8 @@ def _head_major_core_jvp(scale, primals, tangents):
     """
     q, k, v, mask, row_sinks = primals
     dq, dk, dv, _, dsinks = tangents
-    out, weights = _head_major_scores(q, k, v, mask, row_sinks, scale)
+    out, weights = _head_major_scores(q, k, v, mask, row_sinks)
     dlogits = jnp.einsum("bkth,bksh->bkts", dq, k) + _transposed(jnp.einsum("bksh,bkth->bkst", dk, q))
-    dlogits = dlogits * jnp.asarray(scale, dlogits.dtype)
     mean = jnp.sum(weights * dlogits, axis=-1, keepdims=True)
     if row_sinks is not None:  # the sink column's share of the softmax is 1 - sum(weights)
         sink_share = 1 - jnp.sum(weights, axis=-1, keepdims=True)
@@ -467,8 +479,10 @@ def blockwise_attention(
     def pad(x, axis, extra):  # lengths up to whole blocks; padded keys are masked out below
         return x if extra == 0 else jnp.pad(x, [(0, extra) if d == axis else (0, 0) for d in range(x.ndim)])
 
-    # [B, T, N, H] -> [B, K, G, T, H]: a key/value head's query heads next to each other
-    qh = pad(q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4), 3, q_pad)
+    # [B, T, N, H] -> [B, K, G, T, H]: a key/value head's query heads next to each other, scaled
+    # before any product (`_scaled_queries`)
+    qh = _scaled_queries(q, scale, jnp.float32).reshape(batch, q_len, kv_heads, groups, head_dim)
+    qh = pad(qh.transpose(0, 2, 3, 1, 4), 3, q_pad)
     kh, vh = (pad(x.transpose(0, 2, 1, 3), 2, kv_pad) for x in (k, v))  # [B, K, S, H]
     rules = {
         "q_positions": pad(jnp.atleast_2d(q_positions), 1, q_pad),
@@ -484,7 +498,7 @@ def blockwise_attention(
     rows = groups * (q_len + q_pad)  # a key/value head's query rows
     row_block = min(rows, ROWWISE_SCORES // kv_len)
     rowwise = unmasked and row_block >= min(ROWWISE_MIN_ROWS, rows) and _on_cpu()
-    shape = _BlockShape(causal=causal, scale=scale, q_block=q_block, kv_block=kv_block, kv_len=kv_len,
+    shape = _BlockShape(causal=causal, q_block=q_block, kv_block=kv_block, kv_len=kv_len,
                         precision=precision, unmasked=unmasked, row_block=row_block if rowwise else 0)
     out, lse = _blockwise(shape, qh, kh, vh, rules)
     if sinks is not None:  # the sink joins each softmax as one more column, with no value
@@ -515,7 +529,6 @@ class _BlockShape:
     """The static settings of one blockwise call (hashable: `jax.custom_vjp` takes it as static)."""
 
     causal: bool
-    scale: float
     q_block: int
     kv_block: int
     kv_len: int  # keys before padding to whole blocks
@@ -528,8 +541,7 @@ def _block_scores(shape: _BlockShape, rules: dict, q_blk, k_blk, q_index, kv_ind
     """The float32 scores ``[B, K, G, bq, bk]`` of query block `q_index` against key block
     `kv_index`, and where the rules let a query see a key (True) or the key is only padding (None
     for an unmasked call, which builds no mask)."""
-    scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk.astype(jnp.float32), k_blk.astype(jnp.float32),
-                        precision=shape.precision) * jnp.float32(shape.scale)
+    scores = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk.astype(jnp.float32), precision=shape.precision)
     if shape.unmasked:
         return scores, None
     q_start, kv_start = q_index * shape.q_block, kv_index * shape.kv_block
@@ -613,9 +625,9 @@ def _rowwise_forward(shape: _BlockShape, qh, kh, vh):
     all the keys at once and a plain softmax over them.
 
     XLA:CPU runs these two-dimensional products and one-pass softmaxes faster than the online
-    softmax over key blocks with every head batched into each op: 163 against 402 ms for the forward
-    pass of batch 2 at 4096 tokens with 8 heads of 8 (a UNet's first level at 512 px), 190 against
-    465 ms with heads of 16 (medians of 5, quiet 2-core host; docs/scaling.md).
+    softmax over key blocks with every head batched into each op: 116 against 282 ms for the forward
+    pass of batch 2 at 4096 tokens with 8 heads of 8 (a UNet's first level at 512 px), 138 against
+    332 ms with heads of 16 (medians of 5, 2-core host; docs/scaling.md).
     """
     batch, kv_heads, groups, q_len, head_dim = qh.shape
     kv_len, rows, block = kh.shape[2], groups * q_len, shape.row_block
@@ -629,7 +641,7 @@ def _rowwise_forward(shape: _BlockShape, qh, kh, vh):
         q_blocks, k, v = args
 
         def row_block(q_blk):
-            scores = einsum("qh,sh->qs", q_blk.astype(jnp.float32), k) * jnp.float32(shape.scale)
+            scores = einsum("qh,sh->qs", q_blk, k)
             top = scores.max(-1)
             weights = jnp.exp(scores - top[:, None])
             total = weights.sum(-1)
@@ -680,9 +692,8 @@ def _blockwise_bwd(shape, residuals, cotangents):
             d_scores = weights * (d_weights - row_dot_blocks[q_index][..., None])
             if allowed is not None:
                 d_scores = jnp.where(allowed, d_scores, 0.0)
-            d_scores = d_scores * jnp.float32(shape.scale)
             d_q = d_q.at[q_index].add(einsum("bkgqs,bksh->bkgqh", d_scores, k32))
-            d_k = d_k + einsum("bkgqs,bkgqh->bksh", d_scores, q_blk.astype(jnp.float32))
+            d_k = d_k + einsum("bkgqs,bkgqh->bksh", d_scores, q_blk)
             return (d_k, d_v, d_q), None
 
         zeros = jnp.zeros_like(k_blk, jnp.float32)
