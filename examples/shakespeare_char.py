@@ -42,12 +42,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--data", default="../shared/data/tinyshakespeare.txt")
     parser.add_argument("--out", default="runs/shakespeare-char")
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--smoke", action="store_true", help="20 steps, to check the program runs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="20 steps and 1%% of the text held out, to check the program runs")
     args = parser.parse_args(argv)
     steps = 20 if args.smoke else args.steps
 
     out = Path(args.out)
-    tokenize(args.data, out / "tokens", "byte", val_fraction=0.1)
+    tokenize(args.data, out / "tokens", "byte", val_fraction=0.01 if args.smoke else 0.1)
     data = TokenWindows(path=str(out / "tokens"), seq_len=64, loading=Loading(workers=0)).load(batch=12)
     model = CausalTransformer(vocab_size=256, emb_features=128, num_layers=4, num_heads=4,
                               max_seq_len=64, dtype=jnp.float32)
