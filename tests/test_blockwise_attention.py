@@ -81,14 +81,15 @@ def test_blockwise_gives_the_reference_values_and_gradients(rules, sinks):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
-# how an unmasked forward pass runs 80 query rows (2 query heads x 40, the queries padded to whole
-# blocks of 8) against 40 keys: all rows in one block; blocks of 64 rows, the last one padded; key
-# blocks with the online softmax, as off a CPU and when a block would hold fewer than 64 rows
+# how an unmasked call runs 80 query rows (2 query heads x 40, the queries padded to whole blocks
+# of 8) against 40 keys: all rows in one block; blocks of 64 rows, the last one padded; key blocks
+# with the online softmax, as off a CPU and when a block would hold fewer than 64 rows. Each with the
+# shape of its forward pass's scores, and of the scores its backward pass holds keys by rows
 FORWARDS = {
-    "rows": ({}, "<80x40xf32>"),
-    "padded-rows": ({"ROWWISE_SCORES": 64 * 40}, "<64x40xf32>"),
-    "key-blocks-gpu": ({"_on_cpu": lambda: False}, "<2x2x2x8x8xf32>"),
-    "key-blocks-long": ({"ROWWISE_SCORES": 63 * 40}, "<2x2x2x8x8xf32>"),
+    "rows": ({}, "<80x40xf32>", "<40x80xf32>"),
+    "padded-rows": ({"ROWWISE_SCORES": 64 * 40}, "<64x40xf32>", "<40x64xf32>"),
+    "key-blocks-gpu": ({"_on_cpu": lambda: False}, "<2x2x2x8x8xf32>", "<2x2x2x8x8xf32>"),
+    "key-blocks-long": ({"ROWWISE_SCORES": 63 * 40}, "<2x2x2x8x8xf32>", "<2x2x2x8x8xf32>"),
 }
 
 
@@ -96,8 +97,8 @@ FORWARDS = {
 @pytest.mark.parametrize("sinks", [None, SINKS], ids=["no-sinks", "sinks"])
 def test_unmasked_blockwise_builds_no_mask_and_gives_the_reference(sinks, forward, monkeypatch):
     """Bidirectional, no rule, whole blocks of keys (40 = 5 x 8): the path that scores without a mask,
-    its forward pass by rows of all keys (on a CPU, while a block holds 64 rows) or by key blocks."""
-    settings, scores = FORWARDS[forward]
+    both passes by rows of all keys (on a CPU, while a block holds 64 rows) or by key blocks."""
+    settings, scores, transposed = FORWARDS[forward]
     for name, value in settings.items():
         monkeypatch.setattr(attention, name, value)
     q, k, v, cotangent = tensors(seed=2, q_len=37, kv_len=40)
@@ -112,8 +113,13 @@ def test_unmasked_blockwise_builds_no_mask_and_gives_the_reference(sinks, forwar
         # the queries come scaled, so no multiply runs over the scores (XLA:CPU's products run faster bare)
         assert not [line for line in text.splitlines() if "stablehlo.multiply" in line and scores in line]
     # the forward pass's scores come in blocks of this shape; the other paths' never do
-    assert [other for other, (_, shape) in FORWARDS.items() if shape in text] == [
-        other for other, (_, shape) in FORWARDS.items() if shape == scores]
+    assert [other for other, (_, shape, _) in FORWARDS.items() if shape in text] == [
+        other for other, (_, shape, _) in FORWARDS.items() if shape == scores]
+    # and the backward pass's: the rows paths hold a block's scores with the keys along the rows too
+    grad_text = jax.jit(jax.grad(lambda q, k, v: blockwise(q, k, v, causal=False).sum(), argnums=(0, 1, 2))).lower(
+        q, k, v).as_text()
+    assert [other for other, (_, _, shape) in FORWARDS.items() if shape in grad_text] == [
+        other for other, (_, _, shape) in FORWARDS.items() if shape == transposed]
     # negative control: a causal call over the same whole blocks builds its mask
     assert "select" in jax.jit(lambda q, k, v: blockwise(q, k, v)).lower(q, k, v).as_text()
 

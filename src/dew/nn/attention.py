@@ -629,12 +629,7 @@ def _rowwise_forward(shape: _BlockShape, qh, kh, vh):
     pass of batch 2 at 4096 tokens with 8 heads of 8 (a UNet's first level at 512 px), 138 against
     332 ms with heads of 16 (medians of 5, 2-core host; docs/scaling.md).
     """
-    batch, kv_heads, groups, q_len, head_dim = qh.shape
-    kv_len, rows, block = kh.shape[2], groups * q_len, shape.row_block
-    q_rows = qh.reshape(batch * kv_heads, rows, head_dim)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, -rows % block), (0, 0)))
-    q_rows = q_rows.reshape(batch * kv_heads, -1, block, head_dim)
-    keys, values = (x.reshape(batch * kv_heads, kv_len, head_dim).astype(jnp.float32) for x in (kh, vh))
+    keys, values = _head_rows(kh), _head_rows(vh)
     einsum = functools.partial(jnp.einsum, precision=shape.precision)
 
     def head(args):
@@ -649,10 +644,64 @@ def _rowwise_forward(shape: _BlockShape, qh, kh, vh):
 
         return jax.lax.map(row_block, q_blocks)
 
-    out, lse = jax.lax.map(head, (q_rows, keys, values))
-    out = out.reshape(batch, kv_heads, -1, head_dim)[:, :, :rows].reshape(qh.shape)
-    lse = lse.reshape(batch, kv_heads, -1)[:, :, :rows].reshape(qh.shape[:-1])
-    return out, lse
+    out, lse = jax.lax.map(head, (_row_blocks(qh, shape.row_block), keys, values))
+    return _from_row_blocks(out, qh.shape), _from_row_blocks(lse, qh.shape[:-1])
+
+
+def _head_rows(x: jax.Array) -> jax.Array:
+    """Keys or values ``[B, K, S, H]`` as float32 ``[B * K, S, H]``: one entry per key/value head."""
+    return x.reshape(-1, *x.shape[2:]).astype(jnp.float32)
+
+
+def _row_blocks(x: jax.Array, block: int) -> jax.Array:
+    """Per-query values ``[B, K, G, T, ...]`` as ``[B * K, blocks, block, ...]``: each key/value
+    head's rows (all of its query heads'), padded with zeros to whole blocks of `block`."""
+    rows = x.shape[2] * x.shape[3]
+    x = x.reshape(x.shape[0] * x.shape[1], rows, *x.shape[4:])
+    x = jnp.pad(x, [(0, 0), (0, -rows % block)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(x.shape[0], -1, block, *x.shape[2:])
+
+
+def _from_row_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of `_row_blocks`: the padding rows dropped, ``shape`` restored."""
+    batch, kv_heads, groups, q_len = shape[:4]
+    x = x.reshape(batch, kv_heads, -1, *x.shape[3:])[:, :, :groups * q_len]
+    return x.reshape(shape)
+
+
+def _rowwise_backward(shape: _BlockShape, qh, kh, vh, lse, d_out, row_dot):
+    """`_blockwise_bwd` for an unmasked call on a CPU, over the row blocks of `_rowwise_forward`.
+
+    Each block's weights are recomputed twice, once with the keys along the rows (for the key and
+    value gradients, whose products sum over query rows) and once with the queries along the rows
+    (for the query gradient), so every product contracts the last axis of its left operand: the
+    form XLA:CPU hands to its fast matrix kernels. One pass with a product down the columns
+    instead, or the key blocks' online form, took longer (docs/scaling.md).
+    """
+    einsum = functools.partial(jnp.einsum, precision=shape.precision)
+
+    def head(args):  # one key/value head: its keys and values, and its rows' blocks
+        k, v, q_blocks, lse_blocks, d_out_blocks, row_dot_blocks = args
+
+        def row_block(carry, blk):
+            d_k, d_v = carry
+            q_blk, lse_blk, d_out_blk, row_dot_blk = blk
+            weights_t = jnp.exp(einsum("sh,qh->sq", k, q_blk) - lse_blk[None, :])
+            d_v = d_v + einsum("sq,qh->sh", weights_t, d_out_blk)
+            d_scores_t = weights_t * (einsum("sh,qh->sq", v, d_out_blk) - row_dot_blk[None, :])
+            d_k = d_k + einsum("sq,qh->sh", d_scores_t, q_blk)
+            weights = jnp.exp(einsum("qh,sh->qs", q_blk, k) - lse_blk[:, None])
+            d_scores = weights * (einsum("qh,sh->qs", d_out_blk, v) - row_dot_blk[:, None])
+            return (d_k, d_v), einsum("qs,sh->qh", d_scores, k)
+
+        zeros = jnp.zeros_like(k)
+        (d_k, d_v), d_q = jax.lax.scan(row_block, (zeros, zeros), (q_blocks, lse_blocks, d_out_blocks, row_dot_blocks))
+        return d_q, d_k, d_v
+
+    per_head = (_head_rows(kh), _head_rows(vh), _row_blocks(qh, shape.row_block), _row_blocks(lse, shape.row_block),
+                _row_blocks(d_out, shape.row_block), _row_blocks(row_dot, shape.row_block))
+    d_q, d_k, d_v = jax.lax.map(head, per_head)
+    return _from_row_blocks(d_q, qh.shape), d_k.reshape(kh.shape), d_v.reshape(vh.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -674,6 +723,10 @@ def _blockwise_bwd(shape, residuals, cotangents):
     # [B, K, G, T]: what the softmax's normalization takes from each of a row's score gradients,
     # out . d_out, less the log-sum-exp's own cotangent (a score moves the lse by its weight)
     row_dot = jnp.sum(d_out * out, axis=-1) - d_lse.astype(jnp.float32)
+    d_rules = jax.tree_util.tree_map(lambda _: None, rules)
+    if shape.row_block:
+        d_q, d_k, d_v = _rowwise_backward(shape, qh, kh, vh, lse, d_out, row_dot)
+        return d_q.astype(qh.dtype), d_k.astype(kh.dtype), d_v.astype(vh.dtype), d_rules
     q_blocks, lse_blocks = _blocks(qh, 3, shape.q_block), _blocks(lse, 3, shape.q_block)
     d_out_blocks, row_dot_blocks = _blocks(d_out, 3, shape.q_block), _blocks(row_dot, 3, shape.q_block)
     einsum = functools.partial(jnp.einsum, precision=shape.precision)
@@ -702,7 +755,6 @@ def _blockwise_bwd(shape, residuals, cotangents):
 
     kv_blocks = _key_blocks(shape, kh, vh)
     d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros_like(q_blocks, jnp.float32), kv_blocks)
-    d_rules = jax.tree_util.tree_map(lambda _: None, rules)
     return (_unblocks(d_q, 3).astype(qh.dtype), _unblocks(d_k, 2).astype(kh.dtype), _unblocks(d_v, 2).astype(vh.dtype),
             d_rules)
 
