@@ -11,7 +11,13 @@ import pytest
 
 from dew import MeshSpec
 from dew.nn import attention, sequence_parallel
-from dew.nn.attention import BLOCKWISE_MIN_KEYS, blockwise_attention, dot_product_attention, resolve_attention_impl
+from dew.nn.attention import (
+    BLOCKWISE_MIN_KEYS,
+    ROWWISE_MIN_KEYS,
+    blockwise_attention,
+    dot_product_attention,
+    resolve_attention_impl,
+)
 from dew.nn.sequence_parallel import SequenceSplit, splitting
 from dew.training import mesh as mesh_lib
 
@@ -185,6 +191,29 @@ def test_auto_takes_blockwise_for_long_keys_off_a_gpu():
     assert resolve_attention_impl("auto", kv_len=long, dtype=jnp.bfloat16, head_dim=64, device=gpu) == "cudnn"
     assert resolve_attention_impl("auto", kv_len=long, dtype=jnp.float64, device=cpu) == "reference"
     assert resolve_attention_impl("blockwise", kv_len=8, device=gpu) == "blockwise"
+    # on a CPU, a call its rows path takes runs it from fewer keys
+    assert resolve_attention_impl("auto", kv_len=ROWWISE_MIN_KEYS, rows_ok=True, device=cpu) == "blockwise"
+    assert resolve_attention_impl("auto", kv_len=ROWWISE_MIN_KEYS - 1, rows_ok=True, device=cpu) == "xla"
+    assert resolve_attention_impl("auto", kv_len=ROWWISE_MIN_KEYS, device=cpu) == "xla"
+    assert resolve_attention_impl("auto", kv_len=ROWWISE_MIN_KEYS, rows_ok=True, device=tpu) == "xla"
+
+
+def test_auto_takes_the_rows_path_for_an_unmasked_call_over_whole_blocks_of_keys(monkeypatch):
+    """From ROWWISE_MIN_KEYS keys on this CPU: bidirectional calls with nothing to mask, whose keys
+    fill whole blocks (256 for heads of 8), run "blockwise"; a causal call, a masked one and one
+    whose last key block would need padding keep the one-shot kernel."""
+    calls = []
+    monkeypatch.setattr(attention, "blockwise_attention", lambda *a, **kw: calls.append(kw) or a[0])
+    keys = jax.random.normal(jax.random.key(0), (1, ROWWISE_MIN_KEYS + 256, 1, 8))
+    whole, ragged = keys[:, :ROWWISE_MIN_KEYS], keys[:, :ROWWISE_MIN_KEYS + 100]
+    dot_product_attention(whole, whole, whole, causal=False)
+    assert len(calls) == 1 and not calls[0]["causal"]
+    dot_product_attention(whole, whole, whole, causal=True)
+    dot_product_attention(whole, whole, whole, causal=False, mask=jnp.ones((1, 1, 1, ROWWISE_MIN_KEYS), bool))
+    dot_product_attention(ragged, ragged, ragged, causal=False)
+    dot_product_attention(whole[:, :ROWWISE_MIN_KEYS // 2], whole[:, :ROWWISE_MIN_KEYS // 2],
+                          whole[:, :ROWWISE_MIN_KEYS // 2], causal=False)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("exchange", ["ulysses", "gather"])

@@ -57,6 +57,10 @@ TRANSPOSED_DERIVATIVE_BELOW = 64
 # take the online softmax over key blocks
 ROWWISE_SCORES = 1 << 21
 ROWWISE_MIN_ROWS = 64
+# "auto" runs "blockwise" on a CPU from this many keys on for a call the rows path takes (no rule
+# to apply, keys in whole blocks): it is faster than the one-shot kernel there, forward and backward
+# (1.06-1.8x forward and backward at 1024-2048 keys, heads of 16 and 64; docs/scaling.md)
+ROWWISE_MIN_KEYS = 1024
 
 # matmul precisions that ask for more than the default (bf16 passes on GPU/TPU)
 _HIGH_PRECISIONS = ("high", "highest", "float32", "tensorfloat32", "bfloat16_3x")
@@ -111,6 +115,7 @@ def resolve_attention_impl(
     cudnn_mask_ok: bool = True,
     device: Any = None,
     kv_len: int | None = None,
+    rows_ok: bool = False,
 ) -> str:
     """The kernel a call with these properties runs: "reference", "xla", "cudnn" or "blockwise".
 
@@ -123,7 +128,8 @@ def resolve_attention_impl(
        flash kernel takes (a multiple of 8, at most 128) and whose mask it can express
        (``cudnn_mask_ok``: causal/window/lengths, no segment ids, no arbitrary mask).
     3. "blockwise" off a GPU when ``kv_len`` reaches `BLOCKWISE_MIN_KEYS`, where XLA would
-       materialize scores the size of queries times keys.
+       materialize scores the size of queries times keys, and on a CPU from `ROWWISE_MIN_KEYS`
+       when the call would run its rows path (``rows_ok``: no rule to apply, keys in whole blocks).
     4. "xla" otherwise.
 
     ``device`` defaults to the first device of the default backend; tests pass a stand-in object
@@ -145,7 +151,10 @@ def resolve_attention_impl(
         head_dim_ok = head_dim is None or (head_dim % 8 == 0 and head_dim <= 128)
         if head_dim_ok and cudnn_mask_ok:
             return "cudnn"
-    if getattr(device, "platform", None) != "gpu" and kv_len is not None and kv_len >= BLOCKWISE_MIN_KEYS:
+    platform = getattr(device, "platform", None)
+    if platform != "gpu" and kv_len is not None and kv_len >= BLOCKWISE_MIN_KEYS:
+        return "blockwise"
+    if platform == "cpu" and rows_ok and kv_len is not None and kv_len >= ROWWISE_MIN_KEYS:
         return "blockwise"
     return "xla"
 
@@ -301,8 +310,11 @@ def dot_product_attention(
         default_positions and q_len == kv_len and q_segment_ids is None and mask is None
         and (window is None or isinstance(window, int)) and (causal or window is None) and sinks is None
     )
+    unmasked = not causal and window is None and q_segment_ids is None and kv_lengths is None and mask is None
+    rows_ok = unmasked and kv_len % min(_default_block(head_dim), kv_len) == 0  # `blockwise_attention`'s rows path
     kernel = resolve_attention_impl(
-        impl, dtype=q.dtype, head_dim=head_dim, precision=precision, cudnn_mask_ok=cudnn_mask_ok, kv_len=kv_len
+        impl, dtype=q.dtype, head_dim=head_dim, precision=precision, cudnn_mask_ok=cudnn_mask_ok, kv_len=kv_len,
+        rows_ok=rows_ok,
     )
 
     if kernel == "cudnn" and cudnn_mask_ok:
@@ -335,6 +347,11 @@ def dot_product_attention(
     return jax.nn.dot_product_attention(
         q, k, v, mask=full_mask, scale=scale, implementation=kernel
     )
+
+
+def _default_block(head_dim: int) -> int:
+    """`blockwise_attention`'s block for heads of `head_dim`: `BLOCKWISE_BLOCK`, half that below 64."""
+    return BLOCKWISE_BLOCK if head_dim >= 64 else max(1, BLOCKWISE_BLOCK // 2)
 
 
 def _on_cpu() -> bool:
@@ -470,9 +487,7 @@ def blockwise_attention(
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
-    if block is None:
-        block = BLOCKWISE_BLOCK if head_dim >= 64 else max(1, BLOCKWISE_BLOCK // 2)
-    block = count(block, "block")
+    block = count(_default_block(head_dim) if block is None else block, "block")
     q_block, kv_block = min(block, q_len), min(block, kv_len)
     q_pad, kv_pad = -q_len % q_block, -kv_len % kv_block
 
