@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# torch, transformers and diffusers live in a second environment, for tools/, reference tests and
-# the benchmarks that compare with them; the default suite never needs them.
+# torch, transformers, diffusers, peft and lm-eval live in a second environment, for tools/,
+# reference tests and the benchmarks that compare with them; the default suite never needs them.
 REF := .venv-ref
 REF_STAMP := $(REF)/.installed
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 $(REF_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(REF)
 	$(REF)/bin/pip install --quiet --upgrade pip
-	$(REF)/bin/pip install --quiet -e ".[test,reference]"
+	$(REF)/bin/pip install --quiet -e ".[test,reference,eval-harness]"
 	touch $(REF_STAMP)
 
 demo: $(STAMP)
