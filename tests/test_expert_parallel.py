@@ -177,7 +177,9 @@ def _trainer(mesh, dispatch="exchange"):
         mlp_features=48, qk_norm=True,
         mixture={"num_experts": 8, "top_k": 2, "expert_features": 16, "normalize_top_k": True, "dispatch": dispatch},
     )
-    return Trainer(LMObjective(model, seq_len=16, balance_coef=0.01), optax.adam(1e-2), key=jax.random.key(0),
+    # eps 1e-4: Adam would scale a gradient at float32 summation noise (the meshes sum in other
+    # orders) up to a whole step of 1e-2; 99% of the expert weights still move by 10x the tolerance
+    return Trainer(LMObjective(model, seq_len=16, balance_coef=0.01), optax.adam(1e-2, eps=1e-4), key=jax.random.key(0),
                    mesh=mesh, layout=Layout(min_shard=1))
 
 
