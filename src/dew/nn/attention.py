@@ -310,7 +310,7 @@ def dot_product_attention(
         default_positions and q_len == kv_len and q_segment_ids is None and mask is None
         and (window is None or isinstance(window, int)) and (causal or window is None) and sinks is None
     )
-    unmasked = not causal and window is None and q_segment_ids is None and kv_lengths is None and mask is None
+    unmasked = _sees_every_key(causal, window, q_segment_ids, kv_lengths, mask)
     rows_ok = unmasked and kv_len % min(_default_block(head_dim), kv_len) == 0  # `blockwise_attention`'s rows path
     kernel = resolve_attention_impl(
         impl, dtype=q.dtype, head_dim=head_dim, precision=precision, cudnn_mask_ok=cudnn_mask_ok, kv_len=kv_len,
@@ -331,9 +331,8 @@ def dot_product_attention(
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths, mask=mask,
             scale=scale, precision=precision, sinks=sinks,
         )
-    masked = causal or window is not None or q_segment_ids is not None or kv_lengths is not None
     full_mask = None
-    if masked or mask is not None:
+    if not unmasked:
         full_mask = attention_mask(
             q_positions, kv_positions, causal=causal, window=window,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths,
@@ -347,6 +346,11 @@ def dot_product_attention(
     return jax.nn.dot_product_attention(
         q, k, v, mask=full_mask, scale=scale, implementation=kernel
     )
+
+
+def _sees_every_key(causal, window, q_segment_ids, kv_lengths, mask) -> bool:
+    """Whether a call has no rule to apply: bidirectional, with no window, segments, lengths or mask."""
+    return not causal and window is None and q_segment_ids is None and kv_lengths is None and mask is None
 
 
 def _default_block(head_dim: int) -> int:
@@ -508,8 +512,7 @@ def blockwise_attention(
         "kv_lengths": None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32),
         "mask": None if mask is None else _head_grouped_mask(mask, heads, kv_heads, q_pad, kv_pad),
     }
-    unmasked = (not causal and window is None and q_segment_ids is None and kv_lengths is None
-                and mask is None and kv_pad == 0)
+    unmasked = _sees_every_key(causal, window, q_segment_ids, kv_lengths, mask) and kv_pad == 0
     rows = groups * (q_len + q_pad)  # a key/value head's query rows
     row_block = min(rows, ROWWISE_SCORES // kv_len)
     rowwise = unmasked and row_block >= min(ROWWISE_MIN_ROWS, rows) and _on_cpu()
