@@ -42,19 +42,73 @@ NORM_EPS = 1e-6
 LOGVAR_RANGE = (-30.0, 20.0)
 
 
+CONV_INIT = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")  # PyTorch's default
+
+
 def conv(features: int, name: str, *, kernel: int = 3, stride: int = 1, padding: Any = None,
          dtype: Any, param_dtype: Any) -> nn.Conv:
     """A conv with a logically named kernel [k, k, in, out]; 'same' padding unless given."""
     if padding is None:
         padding = ((kernel // 2, kernel // 2),) * 2
-    init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")  # PyTorch's default
     return nn.Conv(
         features, kernel_size=(kernel, kernel), strides=(stride, stride), padding=padding,
         dtype=dtype, param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(init, (None, None, None, "embed")),
+        kernel_init=nn.with_logical_partitioning(CONV_INIT, (None, None, None, "embed")),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         name=name,
     )
+
+
+def _phase_taps(kernel: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """A 3x3 kernel's three taps along `axis` folded into the two each output phase reads.
+
+    After nearest 2x upsampling, output row 2i reads input rows i-1, i, i (taps 0, 1, 2) and row
+    2i+1 reads rows i, i, i+1: phase 0 is taps (0, 1+2) over rows (i-1, i), phase 1 taps (0+1, 2)
+    over rows (i, i+1)."""
+    tap = [jnp.take(kernel, i, axis=axis) for i in range(3)]
+    return jnp.stack([tap[0], tap[1] + tap[2]], axis), jnp.stack([tap[0] + tap[1], tap[2]], axis)
+
+
+class UpsampleConv(nn.Module):
+    """Nearest 2x upsampling, then a 3x3 'same' conv (the up blocks of UNets and VAE decoders).
+
+    The parameters are those of `conv` (``kernel [3, 3, in, features]``, ``bias``), but the conv runs
+    at the input's resolution: each of the four output phases (row and column parity) is a 2x2 conv
+    of the input with the taps that land on the same input pixel summed, and the phases are
+    interleaved. That is 4 instead of 9 products per output pixel and no upsampled copy of the input:
+    an SD VAE decoder's 128-channel upsampling of 4 x 128 x 128 took 179 against 317 ms on a 2-core
+    CPU (docs/scaling.md). ``size`` other than twice the input (a UNet's odd skip) upsamples to it
+    and convolves there, as PyTorch's nearest resize does.
+    """
+
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, size: tuple[int, int] | None = None) -> jax.Array:
+        batch, height, width, channels = x.shape
+        kernel = self.param("kernel", nn.with_logical_partitioning(CONV_INIT, (None, None, None, "embed")),
+                            (3, 3, channels, self.features), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                          (self.features,), self.param_dtype)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        numbers = ("NHWC", "HWIO", "NHWC")
+        if size is not None and tuple(size) != (2 * height, 2 * width):
+            rows = (jnp.arange(size[0]) * height) // size[0]
+            cols = (jnp.arange(size[1]) * width) // size[1]
+            x = jnp.take(jnp.take(x, rows, axis=1), cols, axis=2)
+            return jax.lax.conv_general_dilated(x, kernel, (1, 1), ((1, 1), (1, 1)), dimension_numbers=numbers) + bias
+        pads = ((1, 0), (0, 1))  # phase 0 reads rows (i-1, i), phase 1 rows (i, i+1)
+        rows = []
+        for row_phase, row_taps in enumerate(_phase_taps(kernel, 0)):
+            phases = [
+                jax.lax.conv_general_dilated(x, taps, (1, 1), (pads[row_phase], pads[col_phase]),
+                                             dimension_numbers=numbers)
+                for col_phase, taps in enumerate(_phase_taps(row_taps, 1))
+            ]  # [B, H, W, features] each; stacked, column 2j + phase
+            rows.append(jnp.stack(phases, axis=3).reshape(batch, height, 2 * width, self.features))
+        return jnp.stack(rows, axis=2).reshape(batch, 2 * height, 2 * width, self.features) + bias
 
 
 class ResnetBlock(nn.Module):
@@ -165,9 +219,7 @@ class Decoder(nn.Module):
             for i in range(self.layers_per_block + 1):
                 h = ResnetBlock(features, self.num_groups, name=f"up_blocks_{level}/resnets_{i}", **kw)(h)
             if level != last:
-                batch, height, width, channels = h.shape
-                h = jax.image.resize(h, (batch, 2 * height, 2 * width, channels), method="nearest")
-                h = conv(features, f"up_blocks_{level}/upsample", **kw)(h)
+                h = UpsampleConv(features, name=f"up_blocks_{level}/upsample", **kw)(h)
         h = nn.silu(GroupNorm(self.num_groups, NORM_EPS, name="conv_norm_out", **kw)(h))
         return conv(self.out_channels, "conv_out", **kw)(h)
 

@@ -44,6 +44,7 @@ from dew.nn.embeddings import (
     text_tokens,
 )
 from dew.nn.norms import GroupNorm
+from dew.nn.vae import UpsampleConv
 from dew.nn.vit import CrossAttention, SelfAttention, layer_norm
 
 
@@ -211,9 +212,7 @@ class UNet(nn.Module):
                 if h.shape[1] in attention:
                     h = AttentionBlock(name=f"up_{level}_attn_{i}", **attn)(h, *text)
             if level != 0:
-                b, hh, ww, f = h.shape
-                h = jax.image.resize(h, (b, 2 * hh, 2 * ww, f), method="nearest")
-                h = conv(f, f"up_{level}_upsample", **kw)(h)
+                h = UpsampleConv(h.shape[-1], name=f"up_{level}_upsample", **kw)(h)
 
         h = nn.silu(GroupNorm(self.num_groups, name="norm_out", **kw)(h))
         return conv(in_channels, "conv_out", zero=True, **kw)(h).astype(x.dtype)

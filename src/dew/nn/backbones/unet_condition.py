@@ -38,7 +38,7 @@ from dew.nn.attention import check_attention_impl
 from dew.nn.backbones.dit import check_image
 from dew.nn.embeddings import check_conditions, dense
 from dew.nn.norms import GroupNorm
-from dew.nn.vae import conv
+from dew.nn.vae import UpsampleConv, conv
 from dew.nn.vit import attend
 
 CROSS_ATTENTION_DOWN = "CrossAttnDownBlock2D"
@@ -71,19 +71,6 @@ def layer_norm(name: str, *, dtype: Any, param_dtype: Any) -> nn.LayerNorm:
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
         name=name,
     )
-
-
-def upsample_nearest(x: jax.Array, size: tuple[int, int]) -> jax.Array:
-    """[B, h, w, C] -> [B, *size, C], row i reading row floor(i * h / H) (PyTorch's "nearest").
-
-    With size (2h, 2w) this is plain 2x repetition; an odd skip (a side not divisible by the
-    levels' total stride) gets the size diffusers passes its upsampler in that case.
-    """
-    if tuple(size) == (2 * x.shape[1], 2 * x.shape[2]):
-        return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-    rows = (jnp.arange(size[0]) * x.shape[1]) // size[0]
-    cols = (jnp.arange(size[1]) * x.shape[2]) // size[1]
-    return jnp.take(jnp.take(x, rows, axis=1), cols, axis=2)
 
 
 class TimestepEmbedding(nn.Module):
@@ -417,8 +404,7 @@ class UNet2DCondition(nn.Module):
                     h = Transformer2D(self.heads[level], depths[level], name=f"{prefix}/attentions_{i}",
                                       **transformer)(h, text)
             if level != 0:
-                h = upsample_nearest(h, skips[-1].shape[1:3])
-                h = conv(widths[level], f"{prefix}/upsamplers_0/conv", **kw)(h)
+                h = UpsampleConv(widths[level], name=f"{prefix}/upsamplers_0/conv", **kw)(h, skips[-1].shape[1:3])
 
         h = nn.silu(GroupNorm(self.norm_num_groups, self.norm_eps, name="conv_norm_out", **kw)(h))
         return conv(self.out_channels, "conv_out", **kw)(h).astype(x.dtype)
