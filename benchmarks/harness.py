@@ -163,7 +163,8 @@ def torch_sides(script: str, script_args: Sequence[str], config: dict, *, compil
         sides.append(side(f"{label} {n} thread{'s' * (n > 1)}", "peer", script, script_args,
                           {**config, "threads": n}, python=python))
     if compile:
-        sides.append(side(f"{label}.compile defaults", "peer", script, script_args,
+        compiled = "torch.compile" if label == "torch" else f"{label} + torch.compile"
+        sides.append(side(f"{compiled} defaults", "peer", script, script_args,
                           {**config, "threads": None, "compile": True}, python=python))
     # one configuration also runs the script's loss check (the same arithmetic in every one): one
     # thread where there is such a configuration, as it never collapses on a busy machine

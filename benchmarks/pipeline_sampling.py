@@ -11,15 +11,16 @@ PNDMScheduler (skip_prk_steps, leading spacing, steps_offset 1). Each call draws
 prompt encoding and VAE decoding included. Both sides start from the same unit Gaussian latents
 (diffusers' ``latents=``; Dew's `SourceScheduler.initial`), so their images are compared.
 
-Each side runs in its own process (benchmarks/harness.py): Dew, and diffusers at its library defaults
-and each smaller thread count. The JSON line reports images/s per configuration (median of --repeats
+Each side runs in its own process (benchmarks/harness.py): Dew, and diffusers at its library defaults,
+at each smaller thread count, and with its UNet under `torch.compile` (defaults; compiled in the
+warm-up call, outside the windows). The JSON line reports images/s per configuration (median of --repeats
 alternating windows of --window calls), Dew's ratio against the fastest, and the largest difference
 between the two sides' images.
 
 Needs torch, diffusers and Dew:
 
     .venv-ref/bin/python benchmarks/pipeline_sampling.py --dew-python .venv/bin/python [--quick]
-        [--batch 2] [--window 1] [--repeats 3]
+        [--batch 2] [--window 1] [--repeats 3] [--no-compile]
 """
 
 from __future__ import annotations
@@ -90,12 +91,14 @@ class DewSampling(harness.Runner):
 
 
 class DiffusersSampling(harness.Runner):
-    def __init__(self, workdir: Path, window: int, save: bool):
+    def __init__(self, workdir: Path, window: int, save: bool, compile: bool):
         import diffusers
         import torch
 
         pipe = diffusers.StableDiffusionPipeline.from_pretrained(workdir / "pipeline", torch_dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
+        if compile:  # the UNet runs 2 x 20 times a call: diffusers' own recipe for a faster pipeline
+            pipe.unet = torch.compile(pipe.unet)
         latents = torch.from_numpy(np.load(workdir / "latents.npy"))
         prompts = PROMPTS[: latents.shape[0]]
 
@@ -123,7 +126,7 @@ def worker(config: dict) -> harness.Runner:
     if config["side"] == "dew":
         return DewSampling(workdir, window)
     harness.set_peer_threads(config)
-    return DiffusersSampling(workdir, window, save=bool(config.get("loss_run")))
+    return DiffusersSampling(workdir, window, save=bool(config.get("loss_run")), compile=bool(config.get("compile")))
 
 
 def save_pipeline(directory: Path) -> int:
@@ -162,6 +165,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="images per call (default 2; 1 with --quick)")
     parser.add_argument("--window", type=int, help="calls per timed window (default 1)")
     parser.add_argument("--repeats", type=int, help="timed windows per side (default 3; 2)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configuration")
     parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew side")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the diffusers sides")
     args = parser.parse_args()
@@ -179,7 +183,7 @@ def main() -> None:
         np.save(workdir / "latents.npy", latents.astype(np.float32))
         config = {"window": args.window}
         sides = [harness.side("dew", "dew", script, [], {**config, "side": "dew"}, python=args.dew_python)]
-        sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=False,
+        sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=not args.no_compile,
                                      python=args.peer_python, label="diffusers")
         result = harness.compare(sides, args.repeats, workdir=workdir)
         peer = next(o for o in result.outcomes if o.name == "diffusers defaults")
@@ -189,7 +193,8 @@ def main() -> None:
             "work": (f"StableDiffusionPipeline, UNet {list(UNET['block_out_channels'])} x {UNET['layers_per_block']} "
                      f"resnets, {args.batch} image(s) 512x512 (latents {LATENT_SIDE}x{LATENT_SIDE}x4) per call, "
                      f"{STEPS} PNDM steps, CFG {GUIDANCE}, prompt encoding and VAE decoding included"),
-            "peer": f"diffusers {peer.info.get('diffusers')} StableDiffusionPipeline on the same saved directory",
+            "peer": (f"diffusers {peer.info.get('diffusers')} StableDiffusionPipeline on the same saved directory "
+                     "(eager, and with its UNet under torch.compile)"),
             "unet_params": unet_params,
             **result.report("images_per_s", 4),
             "images_max_abs_diff": float(np.max(np.abs(images[0] - images[1]))),

@@ -10,14 +10,15 @@ its pipelines do (`vae.decode(latents / scaling_factor).sample`, under `torch.in
 channels first.
 
 Each side runs in its own process (benchmarks/harness.py): Dew, and diffusers at its library
-defaults and each smaller thread count. The JSON line reports images/s per configuration (median
+defaults, at each smaller thread count, and with its decoder under `torch.compile` (defaults;
+compiled in the warm-up decode, outside the windows). The JSON line reports images/s per configuration (median
 of --repeats alternating windows of --window decodes), Dew's ratio against the fastest, and the
 largest difference between the two sides' images.
 
 Needs torch, diffusers and Dew:
 
     .venv-ref/bin/python benchmarks/vae_decode.py --dew-python .venv/bin/python [--quick]
-        [--batch 4] [--window 2] [--repeats 5]
+        [--batch 4] [--window 2] [--repeats 5] [--no-compile]
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ class DewDecoding(harness.Runner):
 
 
 class DiffusersDecoding(harness.Runner):
-    def __init__(self, workdir: Path, window: int, save: bool):
+    def __init__(self, workdir: Path, window: int, save: bool, compile: bool):
         import diffusers
         import torch
 
         vae = diffusers.AutoencoderKL.from_pretrained(workdir / "vae").eval()
+        if compile:
+            vae.decoder = torch.compile(vae.decoder)
         latents = torch.from_numpy(np.load(workdir / "latents.npy")).permute(0, 3, 1, 2).contiguous()
 
         def decode():
@@ -92,7 +95,7 @@ def worker(config: dict) -> harness.Runner:
     if config["side"] == "dew":
         return DewDecoding(workdir, window)
     harness.set_peer_threads(config)
-    return DiffusersDecoding(workdir, window, save=bool(config.get("loss_run")))
+    return DiffusersDecoding(workdir, window, save=bool(config.get("loss_run")), compile=bool(config.get("compile")))
 
 
 def save_vae(directory: Path) -> int:
@@ -115,6 +118,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="latents per decode (default 4; 2 with --quick)")
     parser.add_argument("--window", type=int, help="decodes per timed window (default 2; 1)")
     parser.add_argument("--repeats", type=int, help="timed windows per side (default 5; 2)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configuration")
     parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew side")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the diffusers sides")
     args = parser.parse_args()
@@ -130,7 +134,7 @@ def main() -> None:
         np.save(workdir / "latents.npy", latents)
         config = {"window": args.window}
         sides = [harness.side("dew", "dew", script, [], {**config, "side": "dew"}, python=args.dew_python)]
-        sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=False,
+        sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=not args.no_compile,
                                      python=args.peer_python, label="diffusers")
         result = harness.compare(sides, args.repeats, workdir=workdir)
         peer = next(o for o in result.outcomes if o.name == "diffusers defaults")
@@ -140,7 +144,8 @@ def main() -> None:
             "work": (f"AutoencoderKL decoder, block_out_channels {list(CONFIG['block_out_channels'])}, "
                      f"{CONFIG['layers_per_block']} resnets per block, mid-block attention; {args.batch} latents "
                      f"{'x'.join(map(str, LATENT))} -> {args.batch} images 256x256x3 per decode"),
-            "peer": f"diffusers {peer.info.get('diffusers')} AutoencoderKL.decode on the same weights",
+            "peer": (f"diffusers {peer.info.get('diffusers')} AutoencoderKL.decode on the same weights "
+                     "(eager, and with its decoder under torch.compile)"),
             "decoder_params": decoder_params,
             **result.report("images_per_s", 3),
             "images_max_abs_diff": float(np.max(np.abs(images[0] - images[1]))),
