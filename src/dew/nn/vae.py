@@ -45,9 +45,31 @@ LOGVAR_RANGE = (-30.0, 20.0)
 CONV_INIT = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")  # PyTorch's default
 
 
+class PointwiseConv(nn.Module):
+    """A 1x1 conv with nn.Conv's parameters (``kernel [1, 1, in, features]``, ``bias``), run as one
+    matrix product over the pixels: XLA:CPU's convolution of 4 x 256 x 256 x 128 -> 64 took 125
+    against 28 ms as a product (docs/scaling.md)."""
+
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.with_logical_partitioning(CONV_INIT, (None, None, None, "embed"))
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.kernel_init, (1, 1, x.shape[-1], self.features), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                          (self.features,), self.param_dtype)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        return jnp.einsum("...c,co->...o", x, kernel[0, 0]) + bias
+
+
 def conv(features: int, name: str, *, kernel: int = 3, stride: int = 1, padding: Any = None,
-         dtype: Any, param_dtype: Any) -> nn.Conv:
-    """A conv with a logically named kernel [k, k, in, out]; 'same' padding unless given."""
+         dtype: Any, param_dtype: Any) -> nn.Module:
+    """A conv with a logically named kernel [k, k, in, out]; 'same' padding unless given (a 1x1 conv
+    with neither stride nor padding is a `PointwiseConv`)."""
+    if kernel == 1 and stride == 1 and padding is None:
+        return PointwiseConv(features, dtype=dtype, param_dtype=param_dtype, name=name)
     if padding is None:
         padding = ((kernel // 2, kernel // 2),) * 2
     return nn.Conv(

@@ -44,14 +44,17 @@ from dew.nn.embeddings import (
     text_tokens,
 )
 from dew.nn.norms import GroupNorm
-from dew.nn.vae import UpsampleConv
+from dew.nn.vae import CONV_INIT, PointwiseConv, UpsampleConv
 from dew.nn.vit import CrossAttention, SelfAttention, layer_norm
 
 
 def conv(features, name, *, kernel=3, stride=1, zero=False, dtype, param_dtype):
-    """A 'same'-padded conv with a logically named kernel [k, k, in, out]."""
+    """A 'same'-padded conv with a logically named kernel [k, k, in, out] (1x1: a `PointwiseConv`)."""
     # PyTorch's default conv init, as ADM: uniform with variance 1 / (3 fan_in)
-    init = nn.initializers.zeros if zero else nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
+    init = nn.initializers.zeros if zero else CONV_INIT
+    kernel_init = nn.with_logical_partitioning(init, (None, None, None, "embed"))
+    if kernel == 1 and stride == 1:
+        return PointwiseConv(features, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, name=name)
     return nn.Conv(
         features,
         kernel_size=(kernel, kernel),
@@ -59,7 +62,7 @@ def conv(features, name, *, kernel=3, stride=1, zero=False, dtype, param_dtype):
         padding=((kernel // 2, kernel // 2), (kernel // 2, kernel // 2)),
         dtype=dtype,
         param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(init, (None, None, None, "embed")),
+        kernel_init=kernel_init,
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
         name=name,
     )

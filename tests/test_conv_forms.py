@@ -1,4 +1,6 @@
-"""UpsampleConv: nearest 2x upsampling + 3x3 conv, computed as four phase convs at the input's size."""
+"""The convs Dew computes in another form than nn.Conv, with nn.Conv's parameters: UpsampleConv
+(nearest 2x upsampling + 3x3 conv as four phase convs at the input's size) and PointwiseConv (a 1x1
+conv as a matrix product)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn.vae import UpsampleConv, conv
+from dew.nn.vae import CONV_INIT, PointwiseConv, UpsampleConv, conv
 
 NUMBERS = ("NHWC", "HWIO", "NHWC")
 
@@ -89,3 +91,28 @@ def test_the_program_convolves_at_the_input_size():
     convs = [line for line in text.splitlines() if "stablehlo.convolution" in line]
     assert len(convs) == 4, convs
     assert all("tensor<2x16x16x8xf32>" in line and "tensor<2x2x8x8xf32>" in line for line in convs), convs
+
+
+def test_a_pointwise_conv_is_nn_conv_with_a_product():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 6, 7))
+    reference = nn.Conv(  # what `conv(4, name, kernel=1)` built before PointwiseConv
+        4, (1, 1), kernel_init=nn.with_logical_partitioning(CONV_INIT, (None, None, None, "embed")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+    ours = PointwiseConv(4)
+    variables = reference.init(jax.random.key(1), x)
+    jax.tree.map(np.testing.assert_array_equal, ours.init(jax.random.key(1), x), variables)  # same init
+    variables = jax.tree.map(lambda v: v + 0.1, variables)
+    np.testing.assert_allclose(ours.apply(variables, x), reference.apply(variables, x), atol=1e-5, rtol=1e-5)
+    loss = lambda module: lambda v, x: jnp.sum(jnp.sin(module.apply(v, x)))  # noqa: E731
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
+                 jax.grad(loss(ours), argnums=(0, 1))(variables, x), jax.grad(loss(reference), argnums=(0, 1))(variables, x))
+    text = jax.jit(ours.apply).lower(variables, x).as_text()
+    assert "stablehlo.convolution" not in text and "stablehlo.dot_general" in text
+
+
+def test_conv_gives_the_pointwise_form_only_for_a_plain_1x1():
+    kw = dict(dtype=jnp.float32, param_dtype=jnp.float32)
+    assert isinstance(conv(4, "a", kernel=1, **kw), PointwiseConv)
+    assert isinstance(conv(4, "b", kernel=1, stride=2, **kw), nn.Conv)
+    assert isinstance(conv(4, "c", kernel=1, padding=((0, 1), (0, 1)), **kw), nn.Conv)
+    assert isinstance(conv(4, "d", **kw), nn.Conv)
