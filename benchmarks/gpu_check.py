@@ -479,7 +479,7 @@ def section_serve_step_one(quick: bool, workdir: Path) -> dict:
 
     def decode(steps):
         server._cache, server._state, tokens, _ = serving._decode_jit(
-            server.model, server.variables, server._cache, server._state, steps=steps)
+            server.model, server.variables, server._cache, server._state, None, steps=steps)
         return tokens
 
     def synced(steps):

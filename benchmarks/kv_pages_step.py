@@ -71,6 +71,7 @@ def decode_state(model: CausalTransformer, rows: int) -> dict:
         logits=jnp.zeros((rows, model.vocab_size), jnp.float32),
         keys=jax.random.split(jax.random.key(1), rows), drawn=jnp.zeros((rows,), jnp.int32),
         live=jnp.ones((rows,), bool), settings=RowSampling.empty(rows),
+        allowed=jnp.ones((rows, model.vocab_size), bool),
     )
 
 
@@ -93,12 +94,12 @@ class Side:
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.cache, self.state, tokens, _ = serving._decode_jit(
-                self.model, self.variables, self.cache, self.state, steps=1)
+                self.model, self.variables, self.cache, self.state, None, steps=1)
         jax.block_until_ready(tokens)
         return (time.perf_counter() - start) / steps * 1e3, (time.process_time() - cpu) / steps * 1e3
 
     def lowered_text(self) -> str:
-        return serving._decode_jit.lower(self.model, self.variables, self.cache, self.state, steps=1).compile().as_text()
+        return serving._decode_jit.lower(self.model, self.variables, self.cache, self.state, None, steps=1).compile().as_text()
 
 
 def main() -> None:

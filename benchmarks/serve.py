@@ -8,12 +8,13 @@ process (benchmarks/harness.py):
 
 - Dew's `Server` (dense cache, 16 slots of 608 tokens): every request submitted, then `step()` until
   all finish; a request's time to first token is when its first token reached the host.
-- Dew's `Server` over a paged cache (`--paged`): pages of 16 tokens in a pool of 40% of the dense
-  cache's pages (requests queue for pages); the same with the dense cache's pages, prefilling whole
-  prompts and with chunk=64 (chunked prefill); and a shared-prefix load, every prompt behind the
-  same 256 tokens, served paged with and without prefix_cache. Each must draw the dense Server's
-  tokens (the prefix load: each other's). Chunking is judged by the longest `step()`, the longest
-  a decoding row waits for its next token, against the same pool prefilling whole prompts.
+- Dew's `Server` over a paged cache (`--paged`, or `--paged SIDE ...` for some): pages of 16
+  tokens in a pool of 40% of the dense cache's pages (requests queue for pages); the same with the
+  dense cache's pages, prefilling whole prompts and with chunk=64 (chunked prefill); and a
+  shared-prefix load, every prompt behind the same 256 tokens, served paged with and without
+  prefix_cache. Each must draw the dense Server's tokens (the prefix load: each other's). Chunking
+  is judged by the longest `step()`, the longest a decoding row waits for its next token, against
+  the same pool prefilling whole prompts.
 - Dew's static batches: `generate` over the requests 16 at a time in arrival order (prompts padded
   to the batch's longest); a request's first token is visible when its batch's call returns.
 - transformers' continuous batching, `model.generate_batch` (its defaults), at torch's default thread
@@ -26,7 +27,7 @@ sides must draw the same tokens (greedy); the count of requests that agree with 
 for token is reported too (random weights leave near-ties, so a late parting is rounding). Prints
 one JSON line.
 
-    .venv-ref/bin/python benchmarks/serve.py --dew-python .venv/bin/python [--quick] [--repeats 3] [--paged]
+    .venv-ref/bin/python benchmarks/serve.py --dew-python .venv/bin/python [--quick] [--repeats 3] [--paged [SIDE ...]]
 """
 
 from __future__ import annotations
@@ -228,7 +229,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small load (12 requests of 8-96 tokens, 16 draws, 4 slots)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true", help="time Dew's sides only")
-    parser.add_argument("--paged", action="store_true", help="add the paged, chunked and shared-prefix Server sides")
+    parser.add_argument("--paged", nargs="*", choices=PAGED_SIDES, default=None, metavar="SIDE",
+                        help="add the paged, chunked and shared-prefix Server sides (all of them, or those named: "
+                             + ", ".join(PAGED_SIDES) + ")")
     parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew sides")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the transformers side")
     parser.add_argument("--build-checkpoint", help=argparse.SUPPRESS)  # run in its own process by main
@@ -237,6 +240,7 @@ def main() -> None:
         build_checkpoint(args.build_checkpoint)
         return
     load = QUICK if args.quick else FULL
+    paged = () if args.paged is None else tuple(args.paged or PAGED_SIDES)
     script = str(Path(__file__).resolve())
     with tempfile.TemporaryDirectory(prefix="dew-serve-") as directory:
         workdir = Path(directory)
@@ -247,9 +251,8 @@ def main() -> None:
         sides = [harness.side("dew Server", "dew", script, [], {**config, "side": "server"}, python=args.dew_python),
                  harness.side("dew static generate", "reference", script, [], {**config, "side": "static"},
                               python=args.dew_python, env=harness.dew_environment())]
-        if args.paged:
-            sides += [harness.side(f"dew Server {name}", "reference", script, [], {**config, "side": name},
-                                   python=args.dew_python, env=harness.dew_environment()) for name in PAGED_SIDES]
+        sides += [harness.side(f"dew Server {name}", "reference", script, [], {**config, "side": name},
+                               python=args.dew_python, env=harness.dew_environment()) for name in paged]
         if not args.no_peer:
             sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=False,
                                          python=args.peer_python, label="transformers generate_batch")
@@ -261,16 +264,16 @@ def main() -> None:
                                     **(outcome.finished or {}), "info": outcome.info}
         server, static = np.load(workdir / "tokens_server.npy"), np.load(workdir / "tokens_static.npy")
         record["server_vs_static"] = agreement(server, static)
-        if args.paged:
-            rates = {o.name: o.rate for o in result.outcomes}
-            for name in ("paged", "paged_full", "chunked"):
-                record[f"{name}_vs_server"] = agreement(np.load(workdir / f"tokens_{name}.npy"), server)
-                record[f"{name}_over_server"] = rates[f"dew Server {name}"] / result.dew.rate
-            longest = {o.name: (o.finished or {}).get("step_s", {}).get("longest") for o in result.outcomes}
-            if longest.get("dew Server chunked") and longest.get("dew Server paged_full"):
-                # chunked prefill against the same pool prefilling whole prompts: the longest step
-                record["chunked_longest_step_over_paged_full"] = (
-                    longest["dew Server chunked"] / longest["dew Server paged_full"])
+        rates = {o.name: o.rate for o in result.outcomes}
+        for name in {"paged", "paged_full", "chunked"} & set(paged):
+            record[f"{name}_vs_server"] = agreement(np.load(workdir / f"tokens_{name}.npy"), server)
+            record[f"{name}_over_server"] = rates[f"dew Server {name}"] / result.dew.rate
+        longest = {o.name: (o.finished or {}).get("step_s", {}).get("longest") for o in result.outcomes}
+        if longest.get("dew Server chunked") and longest.get("dew Server paged_full"):
+            # chunked prefill against the same pool prefilling whole prompts: the longest step
+            record["chunked_longest_step_over_paged_full"] = (
+                longest["dew Server chunked"] / longest["dew Server paged_full"])
+        if {"prefix", "no_prefix"} <= set(paged):
             prefix, no_prefix = (np.load(workdir / f"tokens_{name}.npy") for name in ("prefix", "no_prefix"))
             record["prefix_vs_no_prefix"] = agreement(prefix, no_prefix)
             record["prefix_over_no_prefix"] = rates["dew Server prefix"] / rates["dew Server no_prefix"]

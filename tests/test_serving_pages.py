@@ -134,21 +134,49 @@ def test_a_second_wave_of_paged_traffic_never_recompiles():
 
 def test_rows_growing_across_page_buckets_decode_what_they_draw_alone_in_one_program():
     """Decode steps attend over the first 1, 2, 3 then all 6 pages of each row (pages of 4) as the
-    longest row grows: every step equals generation alone, and the one decode program serves every
-    bucket, now and for the same traffic again."""
+    longest row grows: every step equals generation alone, and one decode program per number of
+    rows decoded (one row, then both) serves every page bucket, now and for the same traffic again."""
     task = TextGeneration(*_model(max_seq_len=24))  # a model of its own: its programs are new
     server = Server.from_task(task, slots=2, capacity=24, kv_cache=KVCache(page_size=4, pages=12))
     traffic = [(list(range(1, 4)), 20, SETTINGS[2], 3), (list(range(5, 7)), 9, SETTINGS[1], 4)]
     before = serving._decode_jit._cache_size()
     served = _serve_staggered(server, traffic)
-    assert serving._decode_jit._cache_size() == before + 1
+    assert serving.row_buckets(2) == (1, 2)
+    assert serving._decode_jit._cache_size() == before + 2
     for request in served:
         tokens, log_probs = _alone(task, request, 20)
         assert request.tokens == tokens, f"request with seed {request.seed}"
         np.testing.assert_allclose([e.logprob for e in request.events], log_probs, atol=1e-4)
     assert len(served[0].tokens) == 20  # it decoded up to the last slot of its row
     _serve_staggered(server, traffic)
-    assert serving._decode_jit._cache_size() == before + 1
+    assert serving._decode_jit._cache_size() == before + 2
+
+
+def test_a_paged_decode_call_runs_only_as_many_rows_as_the_pool_lets_decode(task, monkeypatch):
+    """Eight slots over a pool that holds two requests at a time: every decode call runs the
+    smallest row bucket (2 of 8) holding the live rows, and each request draws what it draws alone;
+    a dense server's call runs every row."""
+    decoded = []
+    decode = serving._decode_jit
+
+    def watched(model, variables, cache, state, rows, **kwargs):
+        decoded.append(None if rows is None else sorted(rows.tolist()))
+        return decode(model, variables, cache, state, rows, **kwargs)
+
+    monkeypatch.setattr(serving, "_decode_jit", watched)
+    assert serving.row_buckets(8) == (2, 4, 6, 8) and serving.row_buckets(5) == (2, 3, 4, 5)
+    server = Server.from_task(task, slots=8, capacity=48, kv_cache=KVCache(page_size=8, pages=8))
+    traffic = [(list(range(1 + i, 12 + i)), 12 + i, SETTINGS[i % len(SETTINGS)], 20 + i) for i in range(5)]
+    served = _serve_staggered(server, traffic)  # 11-token prompts, 12-16 draws: 3-4 pages, 2 at once
+    assert decoded and all(len(rows) == 2 and len(set(rows)) == 2 for rows in decoded)
+    for request in served:
+        tokens, log_probs = _alone(task, request, REFERENCE_BUDGET)
+        assert request.tokens == tokens, f"request with seed {request.seed}"
+        np.testing.assert_allclose([e.logprob for e in request.events], log_probs, atol=1e-4)
+    decoded.clear()
+    dense = Server.from_task(task, slots=8, capacity=48)
+    _serve_staggered(dense, traffic[:2])
+    assert decoded and all(rows is None for rows in decoded)
 
 
 def test_bad_paged_settings_raise_before_anything_compiles(task):

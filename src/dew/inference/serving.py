@@ -15,9 +15,10 @@ the key of row 0 of a one-prompt call (`fold_in(fold_in(key(seed), 0), 0)`), ste
 With a paged cache (``kv_cache=KVCache(page_size=..., pages=...)``) the rows share one pool of
 pages (`dew.nn.kv_pages`): a request is admitted once a row is free and the pool can hold its prompt
 and budget (`dew.inference.page_pool`), its prompt is written straight into its pages, and its pages
-go back when it ends. ``chunk`` prefills a long prompt ``chunk`` tokens per step while the other
-rows keep decoding; ``prefix_cache`` lets a request read the full prompt pages of earlier requests
-that began with the same tokens instead of computing them again.
+go back when it ends. A paged decode call runs only the live rows, padded to one of a few sizes
+(`row_buckets`): their state is all a paged row owns. ``chunk`` prefills a long prompt ``chunk``
+tokens per step while the other rows keep decoding; ``prefix_cache`` lets a request read the full
+prompt pages of earlier requests that began with the same tokens instead of computing them again.
 
 A request may carry a `dew.sampling.guided.Grammar` (a JSON schema or a regular expression): it
 decodes in the same batch as the others, each step's logits of its row masked to the tokens its
@@ -151,8 +152,43 @@ def _prefill_pages(model, variables, cache, state, row, tokens, start, stop, fin
     return cache, state
 
 
-def _decode(model, variables, cache, state, *, steps):
-    """`steps` decode iterations over every row: draw from the logits, feed the token, keep the next logits."""
+def _decode(model, variables, cache, state, rows, *, steps):
+    """`steps` decode iterations over the rows ``rows [R]`` (distinct, every live row among them) of
+    a paged cache, or over every row when `rows` is None; draws ``[steps, slots]``, zero in a row
+    not decoded.
+
+    A paged row's tokens live in the shared pools, so decoding a few rows needs only their own
+    state: their page table, positions and lengths, logits, keys and settings are gathered, run
+    through `_decode_rows` and put back, and the program's work follows the live rows, not the
+    slots (one program per size of `rows`, see `row_buckets`). A dense cache's rows are its
+    key/value arrays, so it decodes every row."""
+    if rows is None:
+        return _decode_rows(model, variables, cache, state, steps=steps)
+    part = cache.replace(positions=cache.positions[rows], lengths=cache.lengths[rows], index=cache.index[rows],
+                         page_table=cache.page_table[rows])
+    part, part_state, tokens, log_probs = _decode_rows(
+        model, variables, part, jax.tree.map(lambda x: x[rows], state), steps=steps)
+    cache = part.replace(
+        positions=cache.positions.at[rows].set(part.positions), lengths=cache.lengths.at[rows].set(part.lengths),
+        index=cache.index.at[rows].set(part.index), page_table=cache.page_table,
+    )
+    state = jax.tree.map(lambda whole, part: whole.at[rows].set(part), state, part_state)
+    slots = cache.batch_size
+    tokens = jnp.zeros((steps, slots), tokens.dtype).at[:, rows].set(tokens)
+    log_probs = jnp.zeros((steps, slots), log_probs.dtype).at[:, rows].set(log_probs)
+    return cache, state, tokens, log_probs
+
+
+def row_buckets(slots: int) -> tuple[int, ...]:
+    """The numbers of rows a paged Server's decode call runs: a quarter, a half, three quarters or
+    all of its `slots` (rounded up), smallest first. A call runs the smallest that holds every live
+    row, so a pool that fits fewer requests than there are slots, or a load winding down, decodes
+    fewer rows; four sizes bound the programs compiled."""
+    return tuple(sorted({-(-slots * parts // 4) for parts in (1, 2, 3, 4)}))
+
+
+def _decode_rows(model, variables, cache, state, *, steps):
+    """`steps` decode iterations over every row of `cache`: draw from the logits, feed the token, keep the next logits."""
 
     def one(carry, _):
         cache, state = carry
@@ -399,9 +435,20 @@ class Server:
             self._state = dict(self._state, allowed=jnp.asarray(self._allowed))
             self._allowed_changed = False
         self._cache, self._state, tokens, log_probs = _decode_jit(
-            self.model, self.variables, self._cache, self._state, steps=steps
+            self.model, self.variables, self._cache, self._state, self._decoded_rows(running), steps=steps
         )
         return _Call(running, tokens, log_probs, steps, guided)
+
+    def _decoded_rows(self, running: list[tuple[int, Request]]) -> np.ndarray | None:
+        """The rows a paged decode call runs: the running ones, then free or prefilling rows up to
+        the smallest of `row_buckets` that holds them (None, every row, for a dense cache)."""
+        if not self.paged:
+            return None
+        rows = [row for row, _ in running]
+        size = next(size for size in row_buckets(self.slots) if size >= len(rows))
+        taken = set(rows)
+        rows += [row for row in range(self.slots) if row not in taken][: size - len(rows)]
+        return np.asarray(rows, np.int32)
 
     def _collect(self, call: _Call) -> list[tuple[Request, TokenEvent]]:
         """Read a launched call's draws (waiting for it), hand them to their requests, and free the
