@@ -128,3 +128,33 @@ def test_bad_layouts_raise_when_the_model_is_built():
         _model(kv_cache=KVCache(page_size=0))
     with pytest.raises(ValueError, match="needs a page_size"):
         _model(kv_cache=KVCache(pages=8))
+
+
+def test_rows_taken_from_a_paged_cache_go_back_with_what_was_written_to_them():
+    """take_rows keeps the pools and picks the rows' table, positions, lengths and index; put_rows
+    puts the written part back, rows not taken untouched; a dense cache refuses."""
+    layout = KVCache(page_size=2, pages=8)
+    cache = _model(kv_cache=layout).init_cache(4, 6, rows_own_pages=False)
+    cache = cache.replace(
+        page_table=jnp.arange(12, dtype=jnp.int32).reshape(4, 3) % 8,
+        positions=jnp.arange(24, dtype=jnp.int32).reshape(4, 6), lengths=jnp.asarray([1, 2, 3, 4], jnp.int32),
+        index=jnp.asarray([5, 6, 7, 8], jnp.int32),
+    )
+    rows = jnp.asarray([3, 1], jnp.int32)
+    part = cache.take_rows(rows)
+    np.testing.assert_array_equal(part.lengths, [4, 2])
+    np.testing.assert_array_equal(part.index, [8, 6])
+    np.testing.assert_array_equal(part.page_table, np.asarray(cache.page_table)[[3, 1]])
+    np.testing.assert_array_equal(part.positions, np.asarray(cache.positions)[[3, 1]])
+    assert part.k is cache.k
+    written = part.replace(k=jax.tree.map(lambda x: x + 1, part.k), lengths=part.lengths + 10, index=part.index + 10,
+                           positions=part.positions * 0, page_table=part.page_table * 0)
+    back = cache.put_rows(rows, written)
+    np.testing.assert_array_equal(back.lengths, [1, 12, 3, 14])
+    np.testing.assert_array_equal(back.index, [5, 16, 7, 18])
+    np.testing.assert_array_equal(np.asarray(back.positions)[[0, 2]], np.asarray(cache.positions)[[0, 2]])
+    assert not np.asarray(back.positions)[[1, 3]].any() and not np.asarray(back.page_table)[[1, 3]].any()
+    np.testing.assert_array_equal(np.asarray(back.page_table)[[0, 2]], np.asarray(cache.page_table)[[0, 2]])
+    assert back.k is written.k
+    with pytest.raises(ValueError, match="take_rows needs a paged cache"):
+        _model().init_cache(2, 6).take_rows(rows)

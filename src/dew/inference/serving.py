@@ -158,20 +158,15 @@ def _decode(model, variables, cache, state, rows, *, steps):
     not decoded.
 
     A paged row's tokens live in the shared pools, so decoding a few rows needs only their own
-    state: their page table, positions and lengths, logits, keys and settings are gathered, run
-    through `_decode_rows` and put back, and the program's work follows the live rows, not the
-    slots (one program per size of `rows`, see `row_buckets`). A dense cache's rows are its
-    key/value arrays, so it decodes every row."""
+    state: their part of the cache (`KVCache.take_rows`) and their logits, keys and settings are
+    gathered, run through `_decode_rows` and put back, and the program's work follows the live
+    rows, not the slots (one program per size of `rows`, see `row_buckets`). A dense cache's rows
+    are its key/value arrays, so it decodes every row."""
     if rows is None:
         return _decode_rows(model, variables, cache, state, steps=steps)
-    part = cache.replace(positions=cache.positions[rows], lengths=cache.lengths[rows], index=cache.index[rows],
-                         page_table=cache.page_table[rows])
     part, part_state, tokens, log_probs = _decode_rows(
-        model, variables, part, jax.tree.map(lambda x: x[rows], state), steps=steps)
-    cache = part.replace(
-        positions=cache.positions.at[rows].set(part.positions), lengths=cache.lengths.at[rows].set(part.lengths),
-        index=cache.index.at[rows].set(part.index), page_table=cache.page_table,
-    )
+        model, variables, cache.take_rows(rows), jax.tree.map(lambda x: x[rows], state), steps=steps)
+    cache = cache.put_rows(rows, part)
     state = jax.tree.map(lambda whole, part: whole.at[rows].set(part), state, part_state)
     slots = cache.batch_size
     tokens = jnp.zeros((steps, slots), tokens.dtype).at[:, rows].set(tokens)

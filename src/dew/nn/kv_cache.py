@@ -150,6 +150,29 @@ class KVCache:
             index=jnp.broadcast_to(self.index, self.lengths.shape).at[row].set(other.lengths[0]),
         )
 
+    def take_rows(self, rows: jax.Array) -> "KVCache":
+        """The rows ``rows [R]`` of a paged cache, over the same pools: their page table,
+        positions, lengths and (per-row) index. A paged row owns nothing else, so a program can
+        run a few rows and hand the result to `put_rows`."""
+        self._check_rows("take_rows")
+        index = self.index if self.index.ndim == 0 else self.index[rows]
+        return self.replace(page_table=self.page_table[rows], positions=self.positions[rows],
+                            lengths=self.lengths[rows], index=index)
+
+    def put_rows(self, rows: jax.Array, part: "KVCache") -> "KVCache":
+        """This cache with `part` (``take_rows(rows)``, since written to) put back: its pools, and
+        its rows' page table, positions, lengths and index."""
+        self._check_rows("put_rows")
+        index = part.index if part.index.ndim == 0 else self.index.at[rows].set(part.index)
+        return part.replace(page_table=self.page_table.at[rows].set(part.page_table),
+                            positions=self.positions.at[rows].set(part.positions),
+                            lengths=self.lengths.at[rows].set(part.lengths), index=index)
+
+    def _check_rows(self, name: str) -> None:
+        if not self.paged:
+            raise ValueError(f"{name} needs a paged cache: a dense cache's rows are its key and value arrays, "
+                             "so a dense program runs every row")
+
     def repeat(self, n: int) -> "KVCache":
         """Each row repeated n times in place (row b becomes rows b*n .. b*n+n-1).
 
