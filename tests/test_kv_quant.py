@@ -289,13 +289,17 @@ def test_greedy_decoding_through_a_quantized_cache_draws_the_dense_tokens(traine
     model, variables = trained
     prompts = [list(np.asarray(row[:PERIOD + 3])) for row in _sequences(jax.random.key(7), 4)]
     dense = TextGeneration(model, variables)(prompts, 16, seed=0).host()
-    # equal tokens are the right demand only where each dense draw is decisive: its top two logits
-    # further apart than a quantized cache moves two log-probabilities
+    # equal tokens are the right demand only where each dense draw is decisive (its top two logits
+    # further apart than a quantized cache moves two log-probabilities): a row is compared up to its
+    # first near-tie, after which either draw is right and the two continuations may part
     logits = model.apply(variables, jnp.asarray(np.concatenate([np.asarray(prompts), dense.tokens], 1)[:, :-1]))
     top_two = np.sort(np.asarray(logits[:, PERIOD + 2:]), axis=-1)[..., -2:]
-    assert (top_two[..., 1] - top_two[..., 0]).min() > 2 * LARGEST_MOVE[quantized], "the fixture draws near-ties"
+    decisive = top_two[..., 1] - top_two[..., 0] > 2 * LARGEST_MOVE[quantized]
+    compared = np.where(decisive.all(axis=1), decisive.shape[1], np.argmin(decisive, axis=1))
+    assert compared.sum() >= 0.5 * decisive.size, f"the fixture draws near-ties early: {compared} of 16 compared"
     quant = TextGeneration(model.clone(kv_cache=KVCache(quantized=quantized)), variables)(prompts, 16, seed=0).host()
-    np.testing.assert_array_equal(quant.tokens, dense.tokens)
+    for row, length in enumerate(compared):
+        np.testing.assert_array_equal(quant.tokens[row, :length], dense.tokens[row, :length])
     # the continuation copies the prompt's block: the comparison is between meaningful draws
     expected = np.tile(np.asarray(prompts)[:, :PERIOD], (1, 4))[:, PERIOD + 3:PERIOD + 3 + 16]
     assert (dense.tokens == expected).mean() > 0.9
