@@ -23,13 +23,13 @@ from dew.training import mesh as mesh_lib
 WIDTH, ROWS = 16, 32  # 32 rows: 4 per device on 8 devices
 
 # One layer per routing family; each must compute the same under both dispatches (with the blocked
-# grouped product, what "auto" takes on the CPU, or ragged_dot).
+# grouped product, what "auto" takes on the CPU for these few rows, ragged_dot or the padded product).
 SETTINGS = {
     "top2-renormalized": dict(num_experts=8, top_k=2, normalize_top_k=True),
     "top3-qwen-shared-expert-ragged-dot": dict(num_experts=8, top_k=3, shared_expert_features=12,
                                                shared_expert_gate=True, grouped="ragged_dot"),
-    "gpt-oss-biases": dict(num_experts=8, top_k=2, router_bias=True, expert_bias=True, normalize_top_k=True,
-                           activation="clamped_swiglu", gate_up="interleaved"),
+    "gpt-oss-biases-padded": dict(num_experts=8, top_k=2, router_bias=True, expert_bias=True, normalize_top_k=True,
+                                  activation="clamped_swiglu", gate_up="interleaved", grouped="padded"),
     "deepseek-grouped": dict(num_experts=8, top_k=2, score="sigmoid", score_bias=True, groups=4, group_top_k=2,
                              normalize_top_k=True, routed_scale=2.5, shared_expert_features=12),
 }

@@ -11,7 +11,16 @@ import pytest
 
 from dew.inference.decode_layout import decode_layout
 from dew.nn.backbones.causal_transformer import CausalTransformer
-from dew.nn.moe import Mixture, router_metrics
+from dew.nn.moe import (
+    ExpertWeights,
+    Mixture,
+    blocked_experts,
+    capacities,
+    clamped_swiglu,
+    padded_experts,
+    router_metrics,
+    swiglu,
+)
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling, generate
 
@@ -60,9 +69,11 @@ def _loop_reference(params, rows, top_k, normalize, scale, shared_gate):
 @pytest.mark.parametrize(
     "settings",
     [dict(normalize_top_k=True, grouped="ragged_dot"), dict(normalize_top_k=True, grouped="blocks"),
+     dict(normalize_top_k=True, grouped="padded"),
      dict(normalize_top_k=False, routed_scale=2.5), dict(shared_expert_features=12, shared_expert_gate=True),
      dict(shared_expert_features=12)],
-    ids=["renormalized-ragged-dot", "renormalized-blocks", "scaled", "gated-shared-expert", "shared-expert"],
+    ids=["renormalized-ragged-dot", "renormalized-blocks", "renormalized-padded", "scaled", "gated-shared-expert",
+         "shared-expert"],
 )
 def test_global_dispatch_computes_each_rows_top_k_experts(settings):
     layer = Mixture(num_experts=6, top_k=2, expert_features=10, **settings)
@@ -132,7 +143,7 @@ def test_no_gradient_reaches_the_balancing_bias():
         layer.apply({"params": variables["params"]}, rows)
 
 
-@pytest.mark.parametrize("grouped", ["ragged_dot", "blocks"])
+@pytest.mark.parametrize("grouped", ["ragged_dot", "blocks", "padded"])
 def test_gradients_through_the_grouped_products_match_a_dense_formulation(grouped):
     """Every expert applied to every row, weighted by a mask of the chosen ones: the same layer
     computed without sorting or grouped products, so its gradients check the dispatch's."""
@@ -158,18 +169,69 @@ def test_gradients_through_the_grouped_products_match_a_dense_formulation(groupe
 
 
 @pytest.mark.parametrize("rows, top_k", [(1, 2), (3, 1), (40, 3), (300, 2)])
-def test_blocked_and_ragged_grouped_products_agree_for_any_routing(rows, top_k):
+def test_blocked_padded_and_ragged_grouped_products_agree_for_any_routing(rows, top_k):
     """From one row (decoding: a block per row) to many (blocks of several rows), on routings that
-    leave experts empty or crowd one expert."""
+    leave experts empty or crowd one expert (the padded product then takes a larger capacity)."""
     x = _rows(rows, seed=rows)
     ragged = Mixture(num_experts=8, top_k=top_k, expert_features=8, grouped="ragged_dot")
     variables = ragged.init(jax.random.key(0), x)
     crowded = jax.tree_util.tree_map(lambda v: v, nn.unbox(variables))
     crowded["params"]["gate"] = crowded["params"]["gate"].at[:, 5].add(3.0)  # most rows pick expert 5
-    blocks = ragged.clone(grouped="blocks")
     for params in (variables, crowded):
-        np.testing.assert_allclose(np.asarray(jax.jit(blocks.apply)(params, x)),
-                                   np.asarray(jax.jit(ragged.apply)(params, x)), atol=1e-5, rtol=1e-5)
+        want = np.asarray(jax.jit(ragged.apply)(params, x))
+        for grouped in ("blocks", "padded"):
+            got = jax.jit(ragged.clone(grouped=grouped).apply)(params, x)
+            np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5, err_msg=grouped)
+
+
+def test_padded_capacities_are_a_quarter_and_a_half_over_an_even_share():
+    assert capacities(2048, 8) == (320, 384)  # share 256
+    assert capacities(600, 8) == (96, 120)  # rounded up to whole 8 rows
+    assert capacities(3, 8) == (3,)  # fewer assignments than experts: at most all of them
+
+
+@pytest.mark.parametrize("crowd, empty", [(0.0, 0), (0.0, 30), (3.0, 0), (3.0, 30)],
+                         ids=["even", "even-empty-slots", "crowded", "crowded-empty-slots"])
+def test_padded_product_matches_blocks_in_value_and_gradient(crowd, empty):
+    """Even routings take a capacity, one crowding an expert past 1.5 shares takes blocks;
+    rows with id E (an exchange's empty slots) belong to no expert. Biases and GPT-OSS's clamped
+    activation go through the hand-written gradient too."""
+    experts, assignments, width, features = 6, 300, 16, 12
+    keys = jax.random.split(jax.random.key(int(crowd) + empty), 9)
+    chosen = jax.random.categorical(keys[0], crowd * (jnp.arange(experts) == 2), shape=(assignments - empty,))
+    row_experts = jnp.sort(jnp.concatenate([chosen, jnp.full((empty,), experts)])).astype(jnp.int32)
+    sizes = jnp.bincount(row_experts, length=experts).astype(jnp.int32)
+    assert (int(sizes.max()) > capacities(assignments, experts)[-1]) == (crowd > 0)  # the branch it names
+    shapes = [(experts, width, features)] * 2 + [(experts, features, width), (experts, features),
+                                                 (experts, features), (experts, width)]
+    kernels = ExpertWeights(*(0.3 * jax.random.normal(k, shape) for k, shape in zip(keys[1:], shapes)))
+    rows, target = (jax.random.normal(k, (assignments, width)) for k in keys[7:9])
+    valid = (row_experts < experts)[:, None]
+
+    def loss(product, activation=clamped_swiglu):
+        def value(rows, kernels):
+            out = product(rows, row_experts, sizes, kernels, activation=activation)
+            return jnp.sum(((out - target) * valid) ** 2)
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1)))(rows, kernels)
+
+    got, want = loss(padded_experts), loss(blocked_experts)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+    # negative control: under the plain SwiGLU the kernels' gradients differ
+    plain = loss(padded_experts, activation=swiglu)
+    assert float(jnp.abs(plain[1][1].gate - want[1][1].gate).max()) > 1e-2 * float(jnp.abs(want[1][1].gate).max())
+
+
+def test_auto_pads_by_expert_on_the_cpu_from_32_assignments_per_expert():
+    """Training batches take the padded product (a switch over capacities), decoding the blocks."""
+    layer = Mixture(num_experts=4, top_k=2, expert_features=8)
+
+    def switches(rows):
+        x = _rows(rows)
+        jaxpr = jax.make_jaxpr(layer.apply)(layer.init(jax.random.key(0), x), x)
+        return "cond" in str(jaxpr)
+
+    assert switches(64) and not switches(63)  # 128 assignments over 4 experts: 32 each
 
 
 def test_the_router_records_its_statistics_only_when_asked():
@@ -375,7 +437,7 @@ GPT_OSS_MIXTURE = dict(normalize_top_k=True, router_bias=True, expert_bias=True,
                        gate_up="interleaved")
 
 
-@pytest.mark.parametrize("grouped", ["ragged_dot", "blocks"])
+@pytest.mark.parametrize("grouped", ["ragged_dot", "blocks", "padded"])
 def test_gpt_oss_experts_match_transformers_clamped_biased_interleaved_experts(grouped):
     layer = Mixture(num_experts=6, top_k=3, expert_features=10, grouped=grouped, **GPT_OSS_MIXTURE)
     rows = 4.0 * _rows()  # wide enough that the clamp at 7 cuts gates and ups

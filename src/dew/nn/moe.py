@@ -25,12 +25,16 @@ renormalized top-k of the full softmax (``normalize_top_k=True``).
 
 ``dispatch="global"`` sorts the ``rows * k`` (row, expert) assignments by expert and runs each
 projection as one grouped matrix product over the sorted rows, so no assignment is dropped and no
-capacity is set. The grouped product is `jax.lax.ragged_dot` (``grouped="ragged_dot"``) or, as
+capacity is set. The grouped product is `jax.lax.ragged_dot` (``grouped="ragged_dot"``); as
 ``grouped="blocks"``, a batched product over fixed-size blocks of rows, each group padded to whole
-blocks and each block multiplied by its expert's kernel. XLA:CPU computes ``ragged_dot`` as a
-dense product masked to the groups, E times the work, so ``grouped="auto"`` takes blocks on the
-CPU and ``ragged_dot`` elsewhere; both compute the same layer. Dispatches are methods named
-``_dispatch_<name>`` taking the same arguments.
+blocks and each block multiplied by its expert's kernel; or, as ``grouped="padded"``, a batched
+product over ``[E, C, width]``, every group padded to one capacity C, the smallest of a few that
+holds the largest group (`capacities`), or blocks when the largest group is past 1.5 even shares
+(a switch over these layouts keeps shapes static). XLA:CPU computes
+``ragged_dot`` as a dense product masked to the groups, E times the work, so ``grouped="auto"``
+takes ``ragged_dot`` off the CPU and on it ``padded`` from `MIN_PADDED_SHARE` assignments per
+expert (training batches), ``blocks`` below (decoding). All compute the same layer. Dispatches are
+methods named ``_dispatch_<name>`` taking the same arguments.
 
 ``dispatch="exchange"`` is expert parallelism (`dew.nn.expert_parallel`): in a training step on a
 mesh with an ``expert`` axis of ``s > 1`` devices, each device holds ``E / s`` experts and its own
@@ -72,8 +76,10 @@ BALANCE_COLLECTION = "balance"  # the balancing bias, moved by a rule rather tha
 SCORES = ("softmax", "sigmoid")
 GROUP_RATING_EXPERTS = 2  # a group is rated by the sum of its best two biased scores (DeepSeek-V3)
 DISPATCHES = ("global", "exchange")
-GROUPED_PRODUCTS = ("auto", "ragged_dot", "blocks")
+GROUPED_PRODUCTS = ("auto", "ragged_dot", "blocks", "padded")
 MAX_BLOCK = 64  # rows per block of the blocked grouped product
+CAPACITY_STEPS = (1.25, 1.5)  # the padded product's capacities, in even shares
+MIN_PADDED_SHARE = 32  # "auto" pads by expert on a CPU from this many assignments per expert
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 GATE_UP_LAYOUTS = ("separate", "interleaved")
 
@@ -114,8 +120,8 @@ class Mixture(nn.Module):
         ``expert`` mesh axis in a step that splits it; see the module docstring).
       capacity_factor: with ``exchange``, the send buffers' slots per (device, expert shard) as a
         multiple of an even share, ``rows * top_k / shards``; None: enough that nothing is dropped.
-      grouped: the grouped matrix product of the global dispatch ("auto", "ragged_dot", "blocks");
-        it never changes the result or the parameters.
+      grouped: the grouped matrix product of the global dispatch ("auto", "ragged_dot", "blocks",
+        "padded"); it never changes the result or the parameters.
     """
 
     num_experts: int
@@ -288,9 +294,12 @@ class Mixture(nn.Module):
     def _grouped_product(self):
         """``product(sorted_rows, row_experts, group_sizes, kernels)``: the experts as grouped products."""
         grouped = self.grouped
-        if grouped == "auto":
-            grouped = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
-        product = ragged_experts if grouped == "ragged_dot" else blocked_experts
+        if grouped != "auto":
+            product = {"ragged_dot": ragged_experts, "blocks": blocked_experts, "padded": padded_experts}[grouped]
+        elif jax.default_backend() != "cpu":
+            product = ragged_experts
+        else:
+            product = auto_cpu_experts
         return functools.partial(product, activation=self._activation())
 
     def _activation(self):
@@ -396,6 +405,165 @@ def blocked_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
 
     hidden = activation(project(blocks, kernels.gate, kernels.gate_bias), project(blocks, kernels.up, kernels.up_bias))
     return project(hidden, kernels.down, kernels.down_bias).reshape(num_blocks * block, width)[slots]
+
+
+def capacities(assignments: int, num_experts: int) -> tuple[int, ...]:
+    """The padded product's rows per expert: an even share ``assignments / E`` times 1.25 and 1.5
+    (`CAPACITY_STEPS`), each rounded up to 8 rows and at most every assignment. A step takes the
+    smallest that holds its largest group, and blocks when none does."""
+    share = assignments / num_experts
+    return tuple(sorted({min(assignments, 8 * math.ceil(share * step / 8)) for step in CAPACITY_STEPS}))
+
+
+def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
+    """Experts over rows sorted by expert, as products over an expert-major ``[E, C, width]`` layout.
+
+    Each expert's rows are padded to one capacity C, the smallest of `capacities` that holds the
+    largest group, and each projection is one batched product with the stacked kernels as they
+    are: no kernel is copied per block, and the kernels' gradients come out of the products whole.
+    A routing whose largest group is past 1.5 even shares would pad the others past what blocks of
+    `block_rows` cost, so it takes those blocks instead. A `jax.lax.switch` picks the
+    layout in each step, so shapes stay static and no assignment is ever dropped. The gradient is
+    written by hand (`_grouped_product`) so that what the backward pass keeps is the gate and up
+    projections in the rows' own layout, whichever layout the step took. Rows past the groups (id
+    E, the empty slots of an exchange) are in no expert and read zero.
+    """
+    assignments = rows.shape[0]
+    num_experts = kernels.gate.shape[0]
+    sizes = capacities(assignments, num_experts)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    grouped = row_experts < num_experts
+    experts = jnp.where(grouped, row_experts, num_experts)
+    position = jnp.arange(assignments) - starts[jnp.where(grouped, row_experts, 0)]
+    which = jnp.searchsorted(jnp.asarray(sizes), jnp.max(group_sizes))  # the first capacity >= it, else blocks
+    layouts = [_ByExpert(capacity) for capacity in sizes] + [_Blocks(block_rows(assignments, num_experts))]
+    rows, kernels = _varying_alike((rows, kernels))
+    return _grouped_product(activation, tuple(layouts), rows, experts, position, group_sizes, which, kernels)
+
+
+def auto_cpu_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
+    """``grouped="auto"`` on a CPU: the padded product once experts average `MIN_PADDED_SHARE`
+    assignments (training batches), blocks below that (decoding, where a block is a row)."""
+    padded = rows.shape[0] >= MIN_PADDED_SHARE * kernels.gate.shape[0]
+    return (padded_experts if padded else blocked_experts)(rows, row_experts, group_sizes, kernels, activation)
+
+
+def _varying_alike(tree):
+    """Inside `jax.shard_map`: every leaf cast to vary over every manual axis any leaf varies over.
+
+    A hand-written gradient must vary over the axes its primal does. Rows split over ``data`` meet
+    kernels split over ``expert`` only; the cast lets autodiff sum the kernels' gradients over
+    ``data`` (its transpose), as it does for the products it differentiates itself.
+    """
+    axes = frozenset().union(*(jax.typeof(leaf).mat.varying for leaf in jax.tree_util.tree_leaves(tree)))
+
+    def cast(leaf):
+        missing = tuple(sorted(axes - jax.typeof(leaf).mat.varying, key=str))
+        return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+class _ByExpert(NamedTuple):
+    """Group g is expert g, padded to ``capacity`` rows."""
+
+    capacity: int
+
+    def place(self, experts, position, group_sizes):
+        """(each sorted row's slot among ``groups * rows`` (past the end: none), rows per group,
+        each group's expert (None: group g is expert g))."""
+        num_experts = group_sizes.shape[0]
+        slots = jnp.where(experts < num_experts, experts * self.capacity + position, num_experts * self.capacity)
+        return slots, self.capacity, None
+
+
+class _Blocks(NamedTuple):
+    """Each group padded to whole blocks of ``block`` rows, as `blocked_experts` lays them out."""
+
+    block: int
+
+    def place(self, experts, position, group_sizes):
+        num_experts, assignments = group_sizes.shape[0], experts.shape[0]
+        num_blocks = -(-(assignments + num_experts * (self.block - 1)) // self.block)
+        padded_sizes = -(-group_sizes // self.block) * self.block
+        padded_ends = jnp.cumsum(padded_sizes)
+        padded_starts = padded_ends - padded_sizes
+        slots = jnp.where(experts < num_experts, padded_starts[jnp.minimum(experts, num_experts - 1)] + position,
+                          num_blocks * self.block)
+        block_experts = jnp.minimum(
+            jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * self.block, side="right"), num_experts - 1)
+        return slots, self.block, block_experts
+
+
+def _grouped(values, slots, rows_per_group: int, groups: int):
+    """Sorted rows ``[A, n]`` -> ``[groups, rows_per_group, n]``, zero where no row lands."""
+    padded = jnp.zeros((groups * rows_per_group, values.shape[-1]), values.dtype)
+    return padded.at[slots].set(values, mode="drop").reshape(groups, rows_per_group, -1)
+
+
+def _ungrouped(values, slots):
+    """``[groups, rows_per_group, n]`` -> the sorted rows ``[A, n]``; rows in no group read zero."""
+    return values.reshape(-1, values.shape[-1]).at[slots].get(mode="fill", fill_value=0)
+
+
+def _layout(layout, experts, position, group_sizes, kernels):
+    """(slots, rows per group, groups, each group's kernels)."""
+    slots, per_group, group_experts = layout.place(experts, position, group_sizes)
+    if group_experts is not None:
+        kernels = jax.tree_util.tree_map(lambda k: k[group_experts], kernels)
+    return slots, per_group, kernels.gate.shape[0], kernels, group_experts
+
+
+def _plus_bias(y, bias):
+    return y if bias is None else y + bias[:, None, :].astype(y.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped_product(activation, layouts, rows, experts, position, group_sizes, which, kernels):
+    return _grouped_forward(activation, layouts, rows, experts, position, group_sizes, which, kernels)[0]
+
+
+def _grouped_forward(activation, layouts, rows, experts, position, group_sizes, which, kernels):
+    def branch(layout):
+        def run(rows, kernels):
+            slots, per_group, groups, k, _ = _layout(layout, experts, position, group_sizes, kernels)
+            x = _grouped(rows, slots, per_group, groups)
+            gate = _plus_bias(jnp.einsum("gcd,gdf->gcf", x, k.gate), k.gate_bias)
+            up = _plus_bias(jnp.einsum("gcd,gdf->gcf", x, k.up), k.up_bias)
+            out = _plus_bias(jnp.einsum("gcf,gfd->gcd", activation(gate, up), k.down), k.down_bias)
+            return _ungrouped(out, slots), _ungrouped(gate, slots), _ungrouped(up, slots)
+        return run
+
+    out, gate, up = jax.lax.switch(which, [branch(layout) for layout in layouts], rows, kernels)
+    return out, (rows, experts, position, group_sizes, which, kernels, gate, up)
+
+
+def _grouped_backward(activation, layouts, residuals, d_out):
+    rows, experts, position, group_sizes, which, kernels, gate, up = residuals
+
+    def branch(layout):
+        def run(d_out, rows, gate, up, kernels):
+            slots, per_group, groups, k, group_experts = _layout(layout, experts, position, group_sizes, kernels)
+            dy, x, g, u = (_grouped(v, slots, per_group, groups) for v in (d_out, rows, gate, up))
+            hidden, activation_vjp = jax.vjp(activation, g, u)
+            dg, du = activation_vjp(jnp.einsum("gcd,gfd->gcf", dy, k.down))  # zero on padding, where dy is
+            dx = jnp.einsum("gcf,gdf->gcd", dg, k.gate) + jnp.einsum("gcf,gdf->gcd", du, k.up)
+            d_kernels = ExpertWeights(
+                jnp.einsum("gcd,gcf->gdf", x, dg), jnp.einsum("gcd,gcf->gdf", x, du),
+                jnp.einsum("gcf,gcd->gfd", hidden, dy),
+                *(None if bias is None else d.sum(axis=1).astype(bias.dtype)
+                  for bias, d in ((k.gate_bias, dg), (k.up_bias, du), (k.down_bias, dy))))
+            if group_experts is not None:  # each block's gradients summed into its expert's
+                d_kernels = jax.tree_util.tree_map(
+                    lambda d, whole: jnp.zeros_like(whole).at[group_experts].add(d), d_kernels, kernels)
+            return _ungrouped(dx, slots), d_kernels
+        return run
+
+    d_rows, d_kernels = jax.lax.switch(which, [branch(layout) for layout in layouts], d_out, rows, gate, up, kernels)
+    return d_rows, None, None, None, None, d_kernels
+
+
+_grouped_product.defvjp(_grouped_forward, _grouped_backward)
 
 
 class Experts(nn.Module):
