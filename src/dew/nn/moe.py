@@ -421,8 +421,8 @@ def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     Each expert's rows are padded to one capacity C, the smallest of `capacities` that holds the
     largest group, and each projection is one batched product with the stacked kernels as they
     are: no kernel is copied per block, and the kernels' gradients come out of the products whole.
-    A routing whose largest group is past 1.5 even shares would pad the others past what blocks of
-    `block_rows` cost, so it takes those blocks instead. A `jax.lax.switch` picks the
+    A routing whose largest group is past 1.5 even shares would pad the others past what blocks
+    cost, so it takes blocks of twice `block_rows` rows instead. A `jax.lax.switch` picks the
     layout in each step, so shapes stay static and no assignment is ever dropped. The gradient is
     written by hand (`_grouped_product`) so that what the backward pass keeps is the gate and up
     projections in the rows' own layout, whichever layout the step took. Rows past the groups (id
@@ -436,7 +436,9 @@ def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     experts = jnp.where(grouped, row_experts, num_experts)
     position = jnp.arange(assignments) - starts[jnp.where(grouped, row_experts, 0)]
     which = jnp.searchsorted(jnp.asarray(sizes), jnp.max(group_sizes))  # the first capacity >= it, else blocks
-    layouts = [_ByExpert(capacity) for capacity in sizes] + [_Blocks(block_rows(assignments, num_experts))]
+    # past the capacities, blocks twice `blocked_experts`' rows: this backward pass gathers each block's
+    # kernels again, and half as many blocks halve that copy
+    layouts = [_ByExpert(capacity) for capacity in sizes] + [_Blocks(2 * block_rows(assignments, num_experts))]
     rows, kernels = _varying_alike((rows, kernels))
     return _grouped_product(activation, tuple(layouts), rows, experts, position, group_sizes, which, kernels)
 
