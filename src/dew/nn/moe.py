@@ -509,7 +509,7 @@ def _ungrouped(values, slots):
 
 
 def _layout(layout, experts, position, group_sizes, kernels):
-    """(slots, rows per group, groups, each group's kernels)."""
+    """(slots, rows per group, groups, each group's kernels, each group's expert or None)."""
     slots, per_group, group_experts = layout.place(experts, position, group_sizes)
     if group_experts is not None:
         kernels = jax.tree_util.tree_map(lambda k: k[group_experts], kernels)
@@ -558,7 +558,8 @@ def _grouped_backward(activation, layouts, residuals, d_out):
             if group_experts is not None:  # each block's gradients summed into its expert's
                 d_kernels = jax.tree_util.tree_map(
                     lambda d, whole: jnp.zeros_like(whole).at[group_experts].add(d), d_kernels, kernels)
-            return _ungrouped(dx, slots), d_kernels
+            d_kernels = jax.tree_util.tree_map(lambda d, whole: d.astype(whole.dtype), d_kernels, kernels)
+            return _ungrouped(dx, slots).astype(rows.dtype), d_kernels
         return run
 
     d_rows, d_kernels = jax.lax.switch(which, [branch(layout) for layout in layouts], d_out, rows, gate, up, kernels)
