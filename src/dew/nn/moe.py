@@ -383,28 +383,11 @@ def blocked_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     are zero and are dropped), every block is multiplied by its expert's kernels, and the rows are
     read back from their slots. The number of blocks is the most any routing can need,
     ``ceil((assignments + E * (block - 1)) / block)``, so shapes stay static. Rows past the groups
-    (id E, the empty slots of an exchange) land after the last group's rows, inside those blocks;
-    their outputs are meaningless and go unread.
+    (id E, the empty slots of an exchange) are in no block and read zero.
     """
-    assignments, width = rows.shape
-    num_experts = kernels.gate.shape[0]
-    block = block_rows(assignments, num_experts)
-    num_blocks = -(-(assignments + num_experts * (block - 1)) // block)
-    padded_sizes = -(-group_sizes // block) * block
-    padded_ends = jnp.cumsum(padded_sizes)
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    slots = padded_ends[row_experts] - padded_sizes[row_experts] + jnp.arange(assignments) - starts[row_experts]
-    block_experts = jnp.minimum(
-        jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), num_experts - 1)
-    blocks = jnp.zeros((num_blocks * block, width), rows.dtype).at[slots].set(rows)
-    blocks = blocks.reshape(num_blocks, block, width)
-
-    def project(x, kernel, bias):
-        y = jnp.einsum("bnd,bdf->bnf", x, kernel[block_experts])
-        return y if bias is None else y + bias[block_experts][:, None, :]
-
-    hidden = activation(project(blocks, kernels.gate, kernels.gate_bias), project(blocks, kernels.up, kernels.up_bias))
-    return project(hidden, kernels.down, kernels.down_bias).reshape(num_blocks * block, width)[slots]
+    layout = _Blocks(block_rows(rows.shape[0], kernels.gate.shape[0]))
+    return _experts_in_layout(layout, rows, *_sorted_positions(row_experts, group_sizes), group_sizes, kernels,
+                              activation)[0]
 
 
 def capacities(assignments: int, num_experts: int) -> tuple[int, ...]:
@@ -431,10 +414,7 @@ def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     assignments = rows.shape[0]
     num_experts = kernels.gate.shape[0]
     sizes = capacities(assignments, num_experts)
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    grouped = row_experts < num_experts
-    experts = jnp.where(grouped, row_experts, num_experts)
-    position = jnp.arange(assignments) - starts[jnp.where(grouped, row_experts, 0)]
+    experts, position = _sorted_positions(row_experts, group_sizes)
     which = jnp.searchsorted(jnp.asarray(sizes), jnp.max(group_sizes))  # the first capacity >= it, else blocks
     # past the capacities, blocks twice `blocked_experts`' rows: this backward pass gathers each block's
     # kernels again, and half as many blocks halve that copy
@@ -448,6 +428,15 @@ def auto_cpu_experts(rows, row_experts, group_sizes, kernels, activation=swiglu)
     assignments (training batches), blocks below that (decoding, where a block is a row)."""
     padded = rows.shape[0] >= MIN_PADDED_SHARE * kernels.gate.shape[0]
     return (padded_experts if padded else blocked_experts)(rows, row_experts, group_sizes, kernels, activation)
+
+
+def _sorted_positions(row_experts, group_sizes):
+    """Each sorted row's expert (E for rows in no group) and its place within its expert's group."""
+    num_experts = group_sizes.shape[0]
+    grouped = row_experts < num_experts
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    position = jnp.arange(row_experts.shape[0]) - starts[jnp.where(grouped, row_experts, 0)]
+    return jnp.where(grouped, row_experts, num_experts), position
 
 
 def _varying_alike(tree):
@@ -525,16 +514,20 @@ def _grouped_product(activation, layouts, rows, experts, position, group_sizes, 
     return _grouped_forward(activation, layouts, rows, experts, position, group_sizes, which, kernels)[0]
 
 
+def _experts_in_layout(layout, rows, experts, position, group_sizes, kernels, activation):
+    """The experts over the sorted rows laid out by `layout`: (output, gate, up), each in the rows' layout."""
+    slots, per_group, groups, k, _ = _layout(layout, experts, position, group_sizes, kernels)
+    x = _grouped(rows, slots, per_group, groups)
+    gate = _plus_bias(jnp.einsum("gcd,gdf->gcf", x, k.gate), k.gate_bias)
+    up = _plus_bias(jnp.einsum("gcd,gdf->gcf", x, k.up), k.up_bias)
+    out = _plus_bias(jnp.einsum("gcf,gfd->gcd", activation(gate, up), k.down), k.down_bias)
+    return _ungrouped(out, slots), _ungrouped(gate, slots), _ungrouped(up, slots)
+
+
 def _grouped_forward(activation, layouts, rows, experts, position, group_sizes, which, kernels):
     def branch(layout):
-        def run(rows, kernels):
-            slots, per_group, groups, k, _ = _layout(layout, experts, position, group_sizes, kernels)
-            x = _grouped(rows, slots, per_group, groups)
-            gate = _plus_bias(jnp.einsum("gcd,gdf->gcf", x, k.gate), k.gate_bias)
-            up = _plus_bias(jnp.einsum("gcd,gdf->gcf", x, k.up), k.up_bias)
-            out = _plus_bias(jnp.einsum("gcf,gfd->gcd", activation(gate, up), k.down), k.down_bias)
-            return _ungrouped(out, slots), _ungrouped(gate, slots), _ungrouped(up, slots)
-        return run
+        return lambda rows, kernels: _experts_in_layout(layout, rows, experts, position, group_sizes, kernels,
+                                                        activation)
 
     out, gate, up = jax.lax.switch(which, [branch(layout) for layout in layouts], rows, kernels)
     return out, (rows, experts, position, group_sizes, which, kernels, gate, up)
