@@ -25,10 +25,10 @@ def f(x):
     return jnp.cumsum(jnp.cumsum(x, axis=0), axis=1).sum()
 
 x = jnp.ones((4096, 4096), jnp.float32)
-for _ in range(20):  # the heap settles within the first ten or so calls
+for _ in range(10):  # the heap settles within the first few calls
     f(x).block_until_ready()
 faults = []
-for _ in range(9):
+for _ in range(7):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)

@@ -85,7 +85,7 @@ def test_the_demo_digits_part_writes_a_sample_grid(tmp_path, capsys):
 
     from dew.cli import demo
 
-    demo.run(out=str(tmp_path / "demo"), parts=("digits",), digits_steps=6)
+    demo.run(out=str(tmp_path / "demo"), parts=("digits",), digits_steps=6, digits_sample_steps=4)
     grid = Image.open(tmp_path / "demo" / "digits" / "samples.png")
     assert grid.size == (10 * 32 + 9 * 2, 4 * 32 + 3 * 2)  # 10 digits x 4 samples, 32 px each, 2 px between
     assert "each column is one digit" in capsys.readouterr().out

@@ -108,7 +108,7 @@ def train_digits(out: Path, steps: int = 1500, seed: int = 0, log_every: int | N
     return objective, state
 
 
-def digits_part(out: Path, steps: int) -> None:
+def digits_part(out: Path, steps: int, sample_steps: int = 32) -> None:
     import jax
     import numpy as np
 
@@ -119,7 +119,7 @@ def digits_part(out: Path, steps: int) -> None:
     objective, state = train_digits(out, steps=steps)
     task = objective.pipeline(state)
     labels = [digit for digit in range(10) for _ in range(4)]
-    drawn = task(labels, steps=32, solver=Heun(), guidance=CFG(2.0), key=jax.random.key(1)).host()
+    drawn = task(labels, steps=sample_steps, solver=Heun(), guidance=CFG(2.0), key=jax.random.key(1)).host()
     images = drawn.uint8().reshape(10, 4, 8, 8, 1).transpose(1, 0, 2, 3, 4).reshape(40, 8, 8, 1)
     images = images.repeat(4, axis=1).repeat(4, axis=2)  # 32x32 pixels per digit, to be seen
     path = save_image_grid(images, out / "samples.png", rows=4, padding=2)
@@ -212,6 +212,7 @@ def run(
     parts: tuple[str, ...] = ("lm", "digits"),
     lm_steps: int = 1500,
     digits_steps: int = 1500,
+    digits_sample_steps: int = 32,
     curve_steps: int = 600,
     fresh: bool = True,
 ) -> None:
@@ -224,6 +225,7 @@ def run(
         parts: Which parts to run: lm, digits, curve.
         lm_steps: Training steps of the decoder.
         digits_steps: Training steps of the digits DiT.
+        digits_sample_steps: Heun steps of each sample in the digits grid.
         curve_steps: Training steps of the curve MLP.
         fresh: Start over, deleting an earlier run of the same part.
     """
@@ -239,6 +241,6 @@ def run(
         if part == "lm":
             lm_part(folder, lm_steps)
         elif part == "digits":
-            digits_part(folder, digits_steps)
+            digits_part(folder, digits_steps, digits_sample_steps)
         else:
             curve_part(folder, curve_steps)
