@@ -54,25 +54,25 @@ def test_a_paged_quantized_cache_decodes_what_the_dense_quantized_one_does(quant
     np.testing.assert_allclose(got.behavior_log_probs, want.behavior_log_probs, atol=1e-5)
     cache = paged.init_cache(2, 16)
     assert cache.k[0].codes.dtype == (jnp.int8 if quantized == "int8" else jnp.float8_e4m3fn)
-    assert cache.k[0].scales.shape[-1] == 1 and cache.k[0].rotated == (quantized == "int8")
+    assert cache.k[0].scales.shape[-2] == 1 and cache.k[0].rotated == (quantized == "int8")  # keys [.., head_dim, page]
 
 
 def test_writes_land_in_the_page_the_table_names_and_past_the_table_in_scratch():
     pages, page_size = 5, 2
-    k_pool = jnp.zeros((pages + 1, 1, page_size, 1))  # [pages + scratch, kv_heads, page_size, head_dim]
-    v_pool = jnp.zeros((pages + 1, 1, page_size, 1))
+    k_pool = jnp.zeros((pages + 1, 1, 1, page_size))  # [pages + scratch, kv_heads, head_dim, page_size]
+    v_pool = jnp.zeros((pages + 1, 1, page_size, 1))  # [pages + scratch, kv_heads, page_size, head_dim]
     table = jnp.asarray([[3, 1], [0, 4]], jnp.int32)  # row 0: slots 0-1 in page 3, 2-3 in page 1
     k = jnp.asarray([[10.0, 11.0, 12.0], [20.0, 21.0, 22.0]]).reshape(2, 3, 1, 1)
     index = jnp.asarray([1, 2], jnp.int32)  # row 0 writes slots 1-3; row 1 slots 2-4 (slot 4 past its table)
     k_pool, v_pool = kv_pages.write_pages(k_pool, v_pool, k, k + 100, table, index)
-    keys = np.asarray(k_pool)[:, 0, :, 0]
+    keys = np.asarray(k_pool)[:, 0, 0, :]
     np.testing.assert_array_equal(keys[3], [0, 10])
     np.testing.assert_array_equal(keys[1], [11, 12])
     np.testing.assert_array_equal(keys[4], [20, 21])
     np.testing.assert_array_equal(keys[pages], [22, 0])  # the slot past row 1's table went to scratch
     np.testing.assert_array_equal(np.asarray(v_pool)[4, 0, :, 0], [120, 121])
     seen_k, seen_v = kv_pages.gather_pages(k_pool, v_pool, table)
-    np.testing.assert_array_equal(np.asarray(seen_k)[:, :, 0], [[0, 10, 11, 12], [0, 0, 20, 21]])
+    np.testing.assert_array_equal(np.asarray(seen_k)[:, 0, :], [[0, 10, 11, 12], [0, 0, 20, 21]])  # [B * KV, D, S]
     np.testing.assert_array_equal(np.asarray(seen_v)[:, :, 0], [[0, 110, 111, 112], [0, 0, 120, 121]])
 
 
@@ -90,7 +90,7 @@ def test_attention_reads_the_smallest_bucket_of_pages_that_holds_every_written_s
     bucket may skip them): attention sees exactly the slots of the bucket that covers `filled`."""
     rows, kv_heads, page_size, entries, width = 2, 2, 4, 8, 8
     pool_keys = jax.random.split(jax.random.key(0), 3)
-    k_pool = jax.random.normal(pool_keys[0], (rows * entries + 1, kv_heads, page_size, width))
+    k_pool = jax.random.normal(pool_keys[0], (rows * entries + 1, kv_heads, width, page_size))
     v_pool = jax.random.normal(pool_keys[1], (rows * entries + 1, kv_heads, page_size, width))
     table = jnp.asarray(np.random.default_rng(0).permutation(rows * entries).reshape(rows, entries), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(entries * page_size, dtype=jnp.int32), (rows, entries * page_size))
@@ -98,7 +98,7 @@ def test_attention_reads_the_smallest_bucket_of_pages_that_holds_every_written_s
 
     def attend(q, keys, values, kv_positions):
         return cache_attention(q, keys, values, q_positions=jnp.full((rows, 1), 10**6, jnp.int32),
-                               kv_positions=kv_positions, keys_by_slot=True)
+                               kv_positions=kv_positions)
 
     got = jax.jit(kv_pages.attend_pages, static_argnums=0)(attend, q, k_pool, v_pool, table, positions, filled)
     bucket = next(b for b in kv_pages.page_buckets(entries) if b * page_size >= filled)
@@ -108,6 +108,94 @@ def test_attention_reads_the_smallest_bucket_of_pages_that_holds_every_written_s
     if bucket < entries:  # the control: reading every page gives another answer
         keys, values = kv_pages.gather_pages(k_pool, v_pool, table)
         assert not np.allclose(got, attend(q, keys, values, positions), atol=1e-3)
+
+
+def _pools_and_rows(quantized=None, rows=3, entries=4, page_size=4, kv_heads=2, width=8, spare=5):
+    """Pools of random pages (more than the rows name, in shuffled order), rows of 3 to 14 tokens
+    whose later entries name scratch, and each row's one query at its next position."""
+    from dew.nn.kv_quant import store
+
+    keys = jax.random.split(jax.random.key(1), 3)
+    pages = rows * entries + spare
+    k = jax.random.normal(keys[0], (pages + 1, kv_heads, page_size, width))
+    v = jax.random.normal(keys[1], (pages + 1, kv_heads, page_size, width))
+    if quantized is None:
+        k_pool, v_pool = jnp.swapaxes(k, -1, -2), v
+    else:
+        from dew.nn.kv_quant import Quantized
+
+        like = Quantized.zeros((1, 1, width, 1), -2, quantized, rotated=quantized == "int8")
+        stored = store(k, like)  # codes [.., P, D], scales [.., P, 1]
+        k_pool = Quantized(jnp.swapaxes(stored.codes, -1, -2), jnp.swapaxes(stored.scales, -1, -2), rotated=stored.rotated)
+        v_pool = store(v, Quantized.zeros((1, 1, 1, width), -1, quantized, rotated=False))
+    lengths = np.asarray([3, 14, 9])[:rows]
+    order = np.random.default_rng(0).permutation(pages)
+    table = np.full((rows, entries), pages, np.int32)  # scratch
+    positions = np.full((rows, entries * page_size), -1, np.int32)
+    for row, length in enumerate(lengths):
+        held = -(-length // page_size)
+        table[row, :held] = order[row * entries: row * entries + held]
+        positions[row, :length] = np.arange(length)
+    q = jax.random.normal(keys[2], (rows, 1, 4, width))
+    return q, k_pool, v_pool, jnp.asarray(table), jnp.asarray(positions), jnp.asarray(lengths[:, None])
+
+
+@pytest.mark.parametrize("quantized", [None, "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("rules", [{}, dict(window=4), dict(sinks=True)])
+def test_attention_by_page_reads_what_a_gather_of_each_rows_pages_reads(quantized, rules):
+    """Scoring every pool page where it lies against its row's queries gives the dense cache's
+    attention over the row's pages gathered end to end (GQA, window, sinks, eight-bit codes and
+    scales), with the pool's unnamed pages and its scratch page holding random values."""
+    from dew.nn.attention import paged_cache_attention
+
+    q, k_pool, v_pool, table, positions, q_positions = _pools_and_rows(quantized)
+    if rules.get("sinks"):
+        rules = dict(sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0]))
+    keys, values = kv_pages.gather_pages(k_pool, v_pool, table)
+    want = cache_attention(q, keys, values, q_positions=q_positions, kv_positions=positions, **rules)
+    got = jax.jit(lambda *a: paged_cache_attention(*a, q_positions=q_positions, kv_positions=positions, **rules))(
+        q, k_pool, v_pool, table)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    other = table.at[1, 3].set(table[2, 0])  # the control: row 1 reading row 2's first page for its last
+    keys, values = kv_pages.gather_pages(k_pool, v_pool, other)
+    assert not np.allclose(got, cache_attention(q, keys, values, q_positions=q_positions, kv_positions=positions,
+                                                **rules), atol=1e-3)
+
+
+def test_attend_pages_reads_by_page_unless_two_rows_share_a_page():
+    """A one-token call over rows that name most of the pool is read by page; when two rows name one
+    page (a prefix cache's shared prompt), reading by page would score that page against one row
+    only, so the call gathers instead: both give the gather's answer."""
+    from dew.nn.attention import paged_cache_attention
+
+    q, k_pool, v_pool, table, positions, q_positions = _pools_and_rows(spare=1)
+
+    def attend(q, keys, values, kv_positions):
+        return cache_attention(q, keys, values, q_positions=q_positions, kv_positions=kv_positions)
+
+    calls = []
+
+    def by_page(q, k_pool, v_pool, table, kv_positions):
+        calls.append("traced")
+        return paged_cache_attention(q, k_pool, v_pool, table, q_positions=q_positions, kv_positions=kv_positions)
+
+    run = jax.jit(lambda q, k, v, t: kv_pages.attend_pages(attend, q, k, v, t, positions, 14, by_page))
+    shared = table.at[1, 0].set(table[0, 0])  # rows 0 and 1 begin with the same page
+    for case in (table, shared):
+        keys, values = kv_pages.gather_pages(k_pool, v_pool, case)
+        np.testing.assert_allclose(run(q, k_pool, v_pool, case), attend(q, keys, values, positions), rtol=1e-5, atol=1e-5)
+    assert calls  # the by-page branch is part of the program
+    wrong = paged_cache_attention(q, k_pool, v_pool, shared, q_positions=q_positions, kv_positions=positions)
+    assert not np.allclose(wrong, attend(q, *kv_pages.gather_pages(k_pool, v_pool, shared), positions), atol=1e-3)
+    marked = lambda q, *_: jnp.zeros_like(q)  # noqa: E731  (shows which branch ran)
+    chosen = jax.jit(lambda t, filled: kv_pages.attend_pages(attend, q, k_pool, v_pool, t, positions, filled, marked))
+    assert not np.asarray(chosen(table, 14)).any()  # rows of up to 14 slots in a pool of 13 pages: by page
+    assert np.asarray(chosen(shared, 14)).any()  # a shared page: gathered
+    assert np.asarray(chosen(table, 4)).any()  # one page per row would be gathered: 3 pages of 13
+    unchosen = []  # a pool four times what the rows name is gathered: by_page is not even traced
+    big = jax.tree.map(lambda x: jnp.concatenate([x] * 4), (k_pool, v_pool))
+    kv_pages.attend_pages(attend, q, *big, table, positions, 14, lambda *a: unchosen.append(1))
+    assert not unchosen
 
 
 def test_positions_past_a_row_are_dropped_not_shifted():

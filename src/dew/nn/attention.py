@@ -792,7 +792,6 @@ def cache_attention(
     scale: float | None = None,
     precision: Any = None,
     sinks: jax.Array | None = None,
-    keys_by_slot: bool = False,
 ) -> jax.Array:
     """Attention of ``q [B, T, N, H]`` over one layer of a `KVCache`; returns ``[B, T, N, H]``.
 
@@ -809,57 +808,143 @@ def cache_attention(
     scale multiplies what the product gives: a key's scale its score, a value's its softmax weight
     (the same sums as dequantizing first, without a dequantized copy of the cache). Queries are
     rotated by the Hadamard matrix the keys were stored under, if any.
-
-    ``keys_by_slot``: keys come ``[B * K, S, H]`` like the values (a paged cache's gathered pages,
-    `dew.nn.kv_pages`).
     """
-    k_scales = v_scales = None
-    if isinstance(k_cache, Quantized):
-        q = rotate(q) if k_cache.rotated else q
-        k_cache, k_scales = k_cache.codes.astype(q.dtype), k_cache.scales  # scales [B * K, 1, S]
-        if keys_by_slot:  # [B * K, S, 1]
-            k_scales = jnp.swapaxes(k_scales, 1, 2)
-    if isinstance(v_cache, Quantized):
-        v_cache, v_scales = v_cache.codes.astype(q.dtype), jnp.swapaxes(v_cache.scales, 1, 2)  # [B * K, 1, S]
+    q, (k_cache, k_scales), (v_cache, v_scales) = _cache_operands(q, k_cache, v_cache)  # scales [B * K, 1, S]
     batch, q_len, heads, head_dim = q.shape
     rows, slots = v_cache.shape[0], v_cache.shape[1]
-    key_shape = (rows, slots, head_dim) if keys_by_slot else (rows, head_dim, slots)
-    if rows % batch or k_cache.shape != key_shape or v_cache.shape[2] != head_dim:
+    if rows % batch or k_cache.shape != (rows, head_dim, slots) or v_cache.shape[2] != head_dim:
         raise ValueError(
             f"for q {q.shape} the cache must hold keys [batch * kv_heads, {head_dim}, slots] and values "
             f"[batch * kv_heads, slots, {head_dim}]; got keys {k_cache.shape}, values {v_cache.shape}"
         )
-    kv_heads = rows // batch
-    if heads % kv_heads:
-        raise ValueError(f"num_heads ({heads}) must be a multiple of the cache's kv_heads ({kv_heads})")
-    groups = heads // kv_heads
-    sinks = _check_sinks(sinks, heads)
-    scale = float(1.0 / np.sqrt(head_dim)) if scale is None else float(scale)
-    accumulate = jnp.promote_types(q.dtype, jnp.float32)
-
-    # [B, T, K, G, H] -> [B * K, G * T, H]: each cache row's queries, next to its keys
-    qr = q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
-    qr = qr.reshape(rows, groups * q_len, head_dim).astype(k_cache.dtype)
-    logits = jnp.einsum(
-        "nqh,nsh->nqs" if keys_by_slot else "nqh,nhs->nqs", qr, k_cache, precision=precision,
-        preferred_element_type=accumulate,
-    ) * jnp.asarray(scale, accumulate)
+    shape = _CacheShape.of(q, rows // batch, scale)
+    logits = jnp.einsum("nqh,nhs->nqs", shape.rows(q, k_cache.dtype), k_cache, precision=precision,
+                        preferred_element_type=shape.accumulate) * jnp.asarray(shape.scale, shape.accumulate)
     if k_scales is not None:
         logits = logits * k_scales
-    mask = attention_mask(q_positions, kv_positions, causal=causal, window=window)  # [B, 1, T, S]
-    mask = mask & (jnp.atleast_2d(kv_positions) >= 0)[:, None, None, :]
-    mask = jnp.broadcast_to(mask[:, None], (batch, kv_heads, groups, q_len, slots))
-    logits = jnp.where(mask.reshape(rows, groups * q_len, slots), logits, jnp.finfo(accumulate).min)
-    row_sinks = None
-    if sinks is not None:  # [N] -> [B * K, G * T], one per cache row's query row
-        row_sinks = jnp.repeat(sinks.astype(accumulate).reshape(kv_heads, groups), q_len, axis=1)
-        row_sinks = jnp.tile(row_sinks, (batch, 1))
-    weights = softmax_with_sinks(logits, row_sinks)
+    weights = shape.weights(logits, q_positions, kv_positions, causal=causal, window=window, sinks=sinks)
     if v_scales is not None:
         weights = weights * v_scales
-    out = jnp.einsum(
-        "nqs,nsh->nqh", weights.astype(v_cache.dtype), v_cache, precision=precision,
-        preferred_element_type=accumulate,
-    )
-    out = out.reshape(batch, kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4)
-    return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+    out = jnp.einsum("nqs,nsh->nqh", weights.astype(v_cache.dtype), v_cache, precision=precision,
+                     preferred_element_type=shape.accumulate)
+    return shape.heads(out, q.dtype)
+
+
+def paged_cache_attention(
+    q: jax.Array,
+    k_pool: Any,
+    v_pool: Any,
+    page_table: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    causal: bool = True,
+    window: int | jax.Array | None = None,
+    scale: float | None = None,
+    precision: Any = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """`cache_attention` read page by page from a paged cache's pools, where they lie.
+
+    ``k_pool [P + 1, K, H, page]`` and ``v_pool [P + 1, K, page, H]`` hold every row's pages
+    (`dew.nn.kv_pages`); ``page_table [B, E]`` names a row's pages and ``kv_positions [B, E * page]``
+    the position of each of its slots. Every pool page is scored against the queries of the row
+    whose table names it (each page's queries are gathered to it, not its keys to the row), the
+    scores are laid out by row for the same masked softmax as `cache_attention`, and the weights go
+    back to their pages for the value product; each row then sums its pages' parts. The pools are
+    read once, in place, with no row-major copy of them: the work follows the pool, so this is the
+    form for calls whose rows name most of it (decode steps of a Server). Needs every page but the
+    last (scratch) named by at most one row; what the scratch page holds is never read.
+    """
+    q, (k_pool, k_scales), (v_pool, v_scales) = _cache_operands(q, k_pool, v_pool, paged=True)
+    batch, q_len, heads, head_dim = q.shape
+    pages, kv_heads, _, page_size = k_pool.shape
+    entries = page_table.shape[1]
+    if k_pool.shape[2] != head_dim or v_pool.shape != (pages, kv_heads, page_size, head_dim):
+        raise ValueError(
+            f"for q {q.shape} the pools must hold keys [pages, kv_heads, {head_dim}, page_size] and values "
+            f"[pages, kv_heads, page_size, {head_dim}]; got keys {k_pool.shape}, values {v_pool.shape}"
+        )
+    shape = _CacheShape.of(q, kv_heads, scale)
+    width = shape.groups * q_len
+    owner = jnp.zeros((pages,), jnp.int32).at[page_table.reshape(-1)].set(
+        jnp.repeat(jnp.arange(batch, dtype=jnp.int32), entries))
+    queries = shape.rows(q, k_pool.dtype).reshape(batch, kv_heads, width, head_dim)[owner]  # [P + 1, K, G * T, H]
+    logits = jnp.einsum("pkqh,pkhs->pkqs", queries, k_pool, precision=precision,
+                        preferred_element_type=shape.accumulate) * jnp.asarray(shape.scale, shape.accumulate)
+    if k_scales is not None:
+        logits = logits * k_scales
+    # [P + 1, K, G * T, page] -> each row's pages end to end: [B * K, G * T, E * page]
+    logits = logits[page_table].transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, width, entries * page_size)
+    weights = shape.weights(logits, q_positions, kv_positions, causal=causal, window=window, sinks=sinks)
+    weights = weights.reshape(batch, kv_heads, width, entries, page_size).transpose(0, 3, 1, 2, 4)
+    by_page = jnp.zeros((pages, kv_heads, width, page_size), weights.dtype).at[page_table].set(weights)
+    by_page = by_page.at[pages - 1].set(0)  # scratch, named by many rows: contributes nothing
+    if v_scales is not None:
+        by_page = by_page * v_scales
+    out = jnp.einsum("pkqs,pksh->pkqh", by_page.astype(v_pool.dtype), v_pool, precision=precision,
+                     preferred_element_type=shape.accumulate)
+    out = out[page_table].sum(axis=1)  # [B, K, G * T, H]
+    return shape.heads(out.reshape(batch * kv_heads, width, head_dim), q.dtype)
+
+
+def _cache_operands(q, k, v, *, paged: bool = False):
+    """Queries (rotated when the keys are) and the keys' and values' arrays with their scales laid
+    along the slots as a score row needs them (None when not quantized): a dense cache's
+    ``[B * K, 1, S]``, a pool's ``[P + 1, K, 1, page]``."""
+    k_scales = v_scales = None
+    if isinstance(k, Quantized):
+        q = rotate(q) if k.rotated else q
+        k, k_scales = k.codes.astype(q.dtype), k.scales  # keys hold head_dim before the slots
+    if isinstance(v, Quantized):
+        v, v_scales = v.codes.astype(q.dtype), jnp.swapaxes(v.scales, -1, -2)
+    return q, (k, k_scales), (v, v_scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CacheShape:
+    """The head arrangement a cache's attention works in: each of the B * K cache rows (a row's
+    key/value head) with the G * T queries that read it."""
+
+    batch: int
+    q_len: int
+    kv_heads: int
+    groups: int
+    head_dim: int
+    scale: float
+    accumulate: Any
+
+    @classmethod
+    def of(cls, q: jax.Array, kv_heads: int, scale: float | None) -> "_CacheShape":
+        batch, q_len, heads, head_dim = q.shape
+        if heads % kv_heads:
+            raise ValueError(f"num_heads ({heads}) must be a multiple of the cache's kv_heads ({kv_heads})")
+        scale = float(1.0 / np.sqrt(head_dim)) if scale is None else float(scale)
+        return cls(batch, q_len, kv_heads, heads // kv_heads, head_dim, scale, jnp.promote_types(q.dtype, jnp.float32))
+
+    def rows(self, q: jax.Array, dtype: Any) -> jax.Array:
+        """``q [B, T, K * G, H]`` -> ``[B * K, G * T, H]``: each cache row's queries."""
+        qr = q.reshape(self.batch, self.q_len, self.kv_heads, self.groups, self.head_dim).transpose(0, 2, 3, 1, 4)
+        return qr.reshape(self.batch * self.kv_heads, self.groups * self.q_len, self.head_dim).astype(dtype)
+
+    def heads(self, out: jax.Array, dtype: Any) -> jax.Array:
+        """``[B * K, G * T, H]`` -> ``[B, T, K * G, H]``."""
+        out = out.reshape(self.batch, self.kv_heads, self.groups, self.q_len, self.head_dim).transpose(0, 3, 1, 2, 4)
+        return out.reshape(self.batch, self.q_len, self.kv_heads * self.groups, self.head_dim).astype(dtype)
+
+    def weights(self, logits, q_positions, kv_positions, *, causal, window, sinks) -> jax.Array:
+        """Softmax weights of scaled scores ``[B * K, G * T, S]``: what each query may see by position
+        (causal, window, empty slots), with the heads' sink logits."""
+        slots = logits.shape[-1]
+        mask = attention_mask(q_positions, kv_positions, causal=causal, window=window)  # [B, 1, T, S]
+        mask = mask & (jnp.atleast_2d(kv_positions) >= 0)[:, None, None, :]
+        mask = jnp.broadcast_to(mask[:, None], (self.batch, self.kv_heads, self.groups, self.q_len, slots))
+        rows = self.batch * self.kv_heads
+        logits = jnp.where(mask.reshape(rows, self.groups * self.q_len, slots), logits,
+                           jnp.finfo(self.accumulate).min)
+        sinks = _check_sinks(sinks, self.kv_heads * self.groups)
+        row_sinks = None
+        if sinks is not None:  # [N] -> [B * K, G * T], one per cache row's query row
+            row_sinks = jnp.repeat(sinks.astype(self.accumulate).reshape(self.kv_heads, self.groups), self.q_len, axis=1)
+            row_sinks = jnp.tile(row_sinks, (self.batch, 1))
+        return softmax_with_sinks(logits, row_sinks)

@@ -1,27 +1,30 @@
 """The paged layout of a `KVCache`: one pool of fixed-size pages shared by every row.
 
 A dense cache gives each row ``max_len`` slots of its own. A paged cache keeps, per layer, one pool
-of ``pages`` pages of ``page_size`` slots (keys and values both ``[pages + 1, kv_heads, page_size,
-head_dim]``) and a page table ``[B, pages_per_row]``
-naming the pool page that holds each row's slots ``j * page_size .. (j + 1) * page_size - 1``. A
-row still sees ``pages_per_row * page_size`` logical slots with a position each, so masking by
-position works as in the dense cache; only where a slot's key and value live changes.
+of ``pages`` pages of ``page_size`` slots (keys ``[pages + 1, kv_heads, head_dim, page_size]``,
+values ``[pages + 1, kv_heads, page_size, head_dim]``: each page in the dense cache's key and value
+layouts) and a page table ``[B, pages_per_row]`` naming the pool page that holds each row's slots
+``j * page_size .. (j + 1) * page_size - 1``. A row still sees ``pages_per_row * page_size``
+logical slots with a position each, so masking by position works as in the dense cache; only
+where a slot's key and value live changes.
 
 The extra last page of the pool is scratch: a table entry no request owns points at it, so a
 free row, a row writing past the pages it was given, or the padding of a prefill writes there
 and never into another row's page. Nothing reads scratch at a valid position of a live row.
 
-Attention gathers a row's pages into one ``[B * kv_heads, slots, head_dim]`` array each for keys
-and values (`gather_pages`) inside the compiled step, so the program depends only on the table's
-shape, never on which pages a row holds. Keys are stored slot-major like values, unlike the dense
-cache's ``[.., head_dim, slots]``: laying a row's pages end to end then moves whole ``page_size x
-head_dim`` blocks, where the dense key layout would interleave every page's columns (on XLA:CPU,
-one layer of 8 rows of 512 slots: 0.3 ms against 6.7 ms, one measurement on a busy machine).
-A quantized layout pages `Quantized` blocks: codes and their scales (``head_dim`` 1) move together.
+Attention reads the pages one of two ways inside the compiled step, so the program depends only
+on the table's shape, never on which pages a row holds (`attend_pages`):
 
-The gather is most of what a paged step costs beyond a dense one, so attention gathers only the
-first pages of each row up to the fullest row's last written slot (`attend_pages`), in a few
-buckets of a row's pages chosen inside the program.
+- by row: each row's pages are gathered end to end into the dense layout (`gather_pages`) and
+  attended as a dense cache is. The gather copies what it reads, so it takes only the first
+  pages of each row, up to the fullest row's last written slot, in a few buckets. Prompts, rows
+  that have written little of a large pool, and pages shared between rows (a prefix cache) are
+  read this way.
+- by page (`dew.nn.attention.paged_cache_attention`): every pool page is scored where it lies
+  against the queries of the row that holds it, with no copy. Its work follows the pool, so it
+  reads one-token calls (decode steps) whose gather would move at least half the pool's pages.
+
+A quantized layout pages `Quantized` blocks: codes and their scales (``head_dim`` 1) move together.
 """
 
 from __future__ import annotations
@@ -70,33 +73,43 @@ def write_pages(
 ) -> tuple[Any, Any]:
     """Write ``k, v [B, T, KV, D]`` into one layer's pools at each row's slots ``index .. index + T - 1``.
 
-    Both pools are ``[pages + 1, KV, P, D]`` (a `Quantized` pool: its codes, and its scales with
-    ``D = 1``; the tokens are encoded first); the table says which page holds each slot. One
+    The pools are keys ``[pages + 1, KV, D, P]`` and values ``[pages + 1, KV, P, D]`` (a `Quantized`
+    pool: its codes, and its scales with ``D = 1``; the tokens are encoded first); the table says which page holds each slot. One
     scatter per array, whatever the rows' pages.
     """
     batch, length = k.shape[:2]
-    page_size = jax.tree.leaves(k_pool)[0].shape[-2]
+    page_size = jax.tree.leaves(v_pool)[0].shape[-2]
     page, offset = slot_pages(page_table, row_slots(index, batch, length), page_size, scratch_page(k_pool))
 
-    def put(pool, new):  # advanced indices around a slice put the [B, T] axes first: [B, T, KV, D]
+    # advanced indices around slices put the [B, T] axes first: [B, T, KV, D] either way
+    def put_key(pool, new):  # [pages + 1, KV, D, P]
+        return pool.at[page, :, :, offset].set(new.astype(pool.dtype))
+
+    def put_value(pool, new):  # [pages + 1, KV, P, D]
         return pool.at[page, :, offset, :].set(new.astype(pool.dtype))
 
-    return jax.tree.map(put, k_pool, store(k, k_pool)), jax.tree.map(put, v_pool, store(v, v_pool))
+    return jax.tree.map(put_key, k_pool, store(k, k_pool)), jax.tree.map(put_value, v_pool, store(v, v_pool))
 
 
 def gather_pages(k_pool: Any, v_pool: Any, page_table: jax.Array) -> tuple[Any, Any]:
-    """Each row's pages laid end to end: keys and values ``[B * KV, S, D]``, ``S = pages_per_row *
-    page_size`` (every table entry names a pool page, so the gather need not check bounds); a
-    `Quantized` pool gives codes and scales alike."""
+    """Each row's pages laid end to end in the dense cache's layout: keys ``[B * KV, D, S]`` and
+    values ``[B * KV, S, D]``, ``S = pages_per_row * page_size`` (every table entry names a pool
+    page, so the gather need not check bounds); a `Quantized` pool gives codes and scales alike."""
     batch, entries = page_table.shape
 
-    def rows(pool):  # [pages + 1, KV, P, D] -> [B, n, KV, P, D] -> [B * KV, n * P, D]
+    def keys(pool):  # [pages + 1, KV, D, P] -> [B, n, KV, D, P] -> [B * KV, D, n * P]
+        _, kv_heads, width, page_size = pool.shape
+        pages = jnp.take(pool, page_table.reshape(-1), axis=0, mode="clip")
+        pages = pages.reshape(batch, entries, kv_heads, width, page_size).transpose(0, 2, 3, 1, 4)
+        return pages.reshape(batch * kv_heads, width, entries * page_size)
+
+    def values(pool):  # [pages + 1, KV, P, D] -> [B, n, KV, P, D] -> [B * KV, n * P, D]
         _, kv_heads, page_size, width = pool.shape
         pages = jnp.take(pool, page_table.reshape(-1), axis=0, mode="clip")
         pages = pages.reshape(batch, entries, kv_heads, page_size, width).transpose(0, 2, 1, 3, 4)
         return pages.reshape(batch * kv_heads, entries * page_size, width)
 
-    return jax.tree.map(rows, k_pool), jax.tree.map(rows, v_pool)
+    return jax.tree.map(keys, k_pool), jax.tree.map(values, v_pool)
 
 
 def page_buckets(entries: int) -> tuple[int, ...]:
@@ -107,28 +120,43 @@ def page_buckets(entries: int) -> tuple[int, ...]:
 
 
 def attend_pages(attend: Callable, q: jax.Array, k_pool: Any, v_pool: Any, page_table: jax.Array,
-                 kv_positions: jax.Array, filled: jax.Array) -> jax.Array:
-    """``attend(q, keys, values, kv_positions)`` over the first pages of every row, gathered end to end.
+                 kv_positions: jax.Array, filled: jax.Array, by_page: Callable | None = None) -> jax.Array:
+    """Attention of ``q [B, T, N, H]`` over every row's pages: ``attend(q, keys, values, kv_positions)``
+    over pages gathered into the dense layout, or ``by_page(q, k_pool, v_pool, page_table,
+    kv_positions)`` over the pools where they lie (`dew.nn.attention.paged_cache_attention`).
 
     `filled` (a traced scalar) is how many slots the fullest row has written, this call's tokens
-    included: every slot past it is empty in every row, so attention reads the smallest of
-    `page_buckets` that covers it and skips the rest. The bucket is picked on the device
-    (`lax.switch`), so one program serves every mix of row lengths, and the gather (most of what a
-    paged step costs beyond a dense one on XLA:CPU) moves only pages some row has reached.
+    included: every slot past it is empty in every row, so a gather takes only the smallest of
+    `page_buckets` that covers it. `by_page` runs a one-token call when that gather would move at
+    least half as many pages as the pool holds (reading the pool in place is then cheaper than
+    copying those pages) and no page is named by two rows (a prefix cache shares pages; its steps
+    gather). Branches are picked on the device (`lax.cond`, `lax.switch`), so one program serves
+    every mix of rows.
     """
-    page_size = jax.tree.leaves(k_pool)[0].shape[-2]
+    page_size = jax.tree.leaves(v_pool)[0].shape[-2]
+    rows = page_table.shape[0]
     buckets = page_buckets(page_table.shape[1])
+    needed = (jnp.asarray(filled, jnp.int32) + page_size - 1) // page_size
+    branch = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), needed), len(buckets) - 1)
 
     def over(entries, q, k_pool, v_pool, page_table, kv_positions):
         keys, values = gather_pages(k_pool, v_pool, page_table[:, :entries])
         return attend(q, keys, values, kv_positions[:, : entries * page_size])
 
+    def gathered(q, k_pool, v_pool, page_table, kv_positions):
+        operands = (q, k_pool, v_pool, page_table, kv_positions)
+        if len(buckets) == 1:
+            return over(buckets[0], *operands)
+        return jax.lax.switch(branch, [functools.partial(over, entries) for entries in buckets], *operands)
+
     operands = (q, k_pool, v_pool, page_table, kv_positions)
-    if len(buckets) == 1:
-        return over(buckets[0], *operands)
-    needed = (jnp.asarray(filled, jnp.int32) + page_size - 1) // page_size
-    branch = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), needed), len(buckets) - 1)
-    return jax.lax.switch(branch, [functools.partial(over, entries) for entries in buckets], *operands)
+    pages = scratch_page(k_pool)
+    if by_page is None or q.shape[1] != 1 or 2 * rows * buckets[-1] < pages:
+        return gathered(*operands)
+    named = jnp.zeros((pages + 1,), jnp.int32).at[page_table.reshape(-1)].add(1)
+    gathers = 2 * rows * jnp.asarray(buckets, jnp.int32)[branch]
+    use_pages = (gathers >= pages) & ~jnp.any(named[:pages] > 1)
+    return jax.lax.cond(use_pages, by_page, gathered, *operands)
 
 
 def write_page_positions(positions: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
@@ -144,16 +172,23 @@ def init_page_pool(
     *, pages: int, kv_heads: int, head_dim: int, page_size: int, num_layers: int, dtype, stacked: bool,
     quantized: str | None = None,
 ) -> tuple:
-    """Zeroed key and value pools of ``pages`` pages plus scratch, per layer or stacked; `Quantized`
-    blocks for a quantized layout (int8 keys rotated)."""
-    shape = ((num_layers,) if stacked else ()) + (pages + 1, kv_heads, page_size, head_dim)
+    """Zeroed key and value pools of ``pages`` pages plus scratch, per layer or stacked: keys
+    ``[pages + 1, kv_heads, head_dim, page_size]``, values ``[pages + 1, kv_heads, page_size,
+    head_dim]``; `Quantized` blocks for a quantized layout (int8 keys rotated)."""
+    lead = ((num_layers,) if stacked else ()) + (pages + 1, kv_heads)
 
-    def pool(rotated):
+    def keys():
+        shape = lead + (head_dim, page_size)
         if quantized is None:
             return jnp.zeros(shape, dtype)
-        return Quantized.zeros(shape, -1, quantized, rotated=rotated)
+        return Quantized.zeros(shape, -2, quantized, rotated=rotates_keys(quantized))
+
+    def values():
+        shape = lead + (page_size, head_dim)
+        if quantized is None:
+            return jnp.zeros(shape, dtype)
+        return Quantized.zeros(shape, -1, quantized, rotated=False)
 
     if stacked:
-        return pool(rotates_keys(quantized)), pool(False)
-    return (tuple(pool(rotates_keys(quantized)) for _ in range(num_layers)),
-            tuple(pool(False) for _ in range(num_layers)))
+        return keys(), values()
+    return tuple(keys() for _ in range(num_layers)), tuple(values() for _ in range(num_layers))

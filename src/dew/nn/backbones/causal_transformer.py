@@ -32,7 +32,7 @@ from flax.core import FrozenDict
 from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn import gpipe
-from dew.nn.attention import cache_attention, check_attention_impl
+from dew.nn.attention import cache_attention, check_attention_impl, paged_cache_attention
 from dew.nn.backbones.decoder_parts import INIT_STD, RMSNorm, named_dense, rope_context
 from dew.nn.backbones.latent_attention import LatentAttention, latent_settings
 from dew.nn.backbones.layer_plan import MIXTURE_MLP, LayerKind, resolve_layer_plan, resolve_mlp_plan
@@ -166,19 +166,21 @@ class SelfAttention(nn.Module):
             kv_positions, index, page_table = slots
             cache_k, cache_v = layer_cache
 
+            rules = dict(q_positions=positions, causal=self.causal, window=window, sinks=sinks)
+
             def attend(q, seen_k, seen_v, kv_positions):
-                return cache_attention(
-                    q, seen_k, seen_v, q_positions=positions, kv_positions=kv_positions,
-                    causal=self.causal, window=window, sinks=sinks, keys_by_slot=page_table is not None,
-                )
+                return cache_attention(q, seen_k, seen_v, kv_positions=kv_positions, **rules)
+
+            def by_page(q, k_pool, v_pool, page_table, kv_positions):
+                return paged_cache_attention(q, k_pool, v_pool, page_table, kv_positions=kv_positions, **rules)
 
             if page_table is None:
                 cache_k, cache_v = write_kv(cache_k, cache_v, k, v, index)
                 out = attend(q, cache_k, cache_v, kv_positions)
-            else:  # no row holds a token past slot max(index) + length: only the pages before it are read
+            else:  # no row holds a token past slot max(index) + length: a gather reads only the pages before it
                 cache_k, cache_v = kv_pages.write_pages(cache_k, cache_v, k, v, page_table, index)
                 out = kv_pages.attend_pages(attend, q, cache_k, cache_v, page_table, kv_positions,
-                                            jnp.max(index) + length)
+                                            jnp.max(index) + length, by_page)
             new_cache = (cache_k, cache_v)
 
         out = self.project_out(out.reshape(*rows.shape[:-1], heads * head_dim), emb)
