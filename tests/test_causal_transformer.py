@@ -77,6 +77,28 @@ def test_cached_decoding_matches_a_full_forward_pass(base, scan_layers):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 12])
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_logits_at_computes_the_named_tokens_logits_and_leaves_the_cache_as_it_was(tie):
+    model = _model(tie_embeddings=tie)
+    variables = _init(model)
+    tokens = _tokens()
+    at = np.array([[11, 3], [0, 7]], np.int32)
+    full = np.asarray(_run(model, variables, tokens))
+    some = np.asarray(_run(model, variables, tokens, logits_at=at))
+    assert some.shape == (2, 2, VOCAB)
+    np.testing.assert_allclose(some, np.take_along_axis(full, at[..., None], axis=1), atol=1e-5, rtol=1e-5)
+    assert np.abs(some[:, ::-1] - np.take_along_axis(full, at[..., None], axis=1)).max() > 1e-3  # the control
+    whole, whole_cache = _run(model, variables, tokens, cache=model.init_cache(2, 16))
+    last, last_cache = _run(model, variables, tokens, cache=model.init_cache(2, 16), logits_at=at[:, :1])
+    np.testing.assert_allclose(np.asarray(last)[:, 0], np.asarray(whole)[[0, 1], [11, 0]], atol=1e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(whole_cache), jax.tree.leaves(last_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"logits_at must be integer indices \[batch=2, K\]"):
+        model.apply(variables, tokens, logits_at=np.array([11, 0]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 12\)"):
+        model.apply(variables, tokens, logits_at=np.array([[12], [0]]))
+
+
 def test_the_cache_holds_per_layer_keys_and_values_in_shared_slots():
     model = _model()
     cache = model.init_cache(3, 10)

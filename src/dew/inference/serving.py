@@ -110,12 +110,13 @@ def _prefill(model, variables, cache, state, row, tokens, length, seed_key, sett
     width = tokens.shape[1]
     local = model.init_cache(1, width)  # the layout and dtype of the server's own cache
     positions = jnp.arange(width, dtype=jnp.int32)[None]
-    logits, local = model.apply(variables, tokens, positions=positions, cache=local)
+    logits, local = model.apply(variables, tokens, positions=positions, cache=local,
+                                logits_at=(length - 1)[None, None])  # the prompt's last token only
     local = local.truncate(length[None])  # forget the padding after the prompt
     cache = cache.seat(row, local)
     state = dict(
         state,
-        logits=state["logits"].at[row].set(logits[0, length - 1]),
+        logits=state["logits"].at[row].set(logits[0, 0]),
         keys=state["keys"].at[row].set(_row_key(seed_key)),
         drawn=state["drawn"].at[row].set(0),
         live=state["live"].at[row].set(True),
@@ -135,7 +136,8 @@ def _prefill_pages(model, variables, cache, state, row, tokens, start, stop, fin
         page_table=jax.lax.dynamic_slice_in_dim(cache.page_table, row, 1),
     )
     positions = start + jnp.arange(width, dtype=jnp.int32)[None]
-    logits, one = model.apply(variables, tokens, positions=positions, cache=one)
+    logits, one = model.apply(variables, tokens, positions=positions, cache=one,
+                              logits_at=(stop - start - 1)[None, None])  # the piece's last token only
     one = one.truncate(stop[None])  # forget the padding after the piece
     cache = cache.replace(
         k=one.k, v=one.v, positions=cache.positions.at[row].set(one.positions[0]),
@@ -143,7 +145,7 @@ def _prefill_pages(model, variables, cache, state, row, tokens, start, stop, fin
     )
     state = dict(
         state,
-        logits=state["logits"].at[row].set(logits[0, stop - start - 1]),
+        logits=state["logits"].at[row].set(logits[0, 0]),
         keys=state["keys"].at[row].set(_row_key(seed_key)),
         drawn=state["drawn"].at[row].set(0),
         live=state["live"].at[row].set(final),

@@ -130,8 +130,9 @@ def json_schema(tokenizer: Any, schema: Mapping[str, Any] | str, eos_id: int, vo
 def _prefill(variables, tokens, length, *, model, cache_len):
     cache = model.init_cache(1, cache_len)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    logits, cache = model.apply(variables, tokens, positions=positions, cache=cache)
-    logits = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
+    logits, cache = model.apply(variables, tokens, positions=positions, cache=cache,
+                                logits_at=(length - 1)[:, None])  # the prompt's last token only
+    logits = logits[:, 0]
     return logits, cache.truncate(length)
 
 

@@ -190,8 +190,9 @@ def _generate(variables, prompt_tokens, prompt_lengths, key, *, model, sampling,
     # prefill: the whole padded prompt at positions 0..P-1, then each row's length is its own
     cache = model.init_cache(batch, cache_len)
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    logits, cache = model.apply(variables, prompt_tokens, positions=positions, cache=cache)
-    logits = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits, cache = model.apply(variables, prompt_tokens, positions=positions, cache=cache,
+                                logits_at=(prompt_lengths - 1)[:, None])  # each prompt's last token only
+    logits = logits[:, 0]
     cache = cache.truncate(prompt_lengths)  # forget the padding after short prompts
     if n > 1:
         cache, logits = cache.repeat(n), jnp.repeat(logits, n, axis=0)

@@ -69,6 +69,20 @@ def check_tokens(tokens: Any, vocab_size: int) -> None:
         )
 
 
+def _take_tokens(x: jax.Array, logits_at: Any) -> jax.Array:
+    """The tokens ``x [B, L, width]`` at length indices ``logits_at [B, K]``: ``[B, K, width]``."""
+    at = jnp.asarray(logits_at)
+    if at.ndim != 2 or at.shape[0] != x.shape[0] or not jnp.issubdtype(at.dtype, jnp.integer):
+        raise ValueError(
+            f"logits_at must be integer indices [batch={x.shape[0]}, K] along the length axis, got "
+            f"shape {at.shape} and dtype {at.dtype}; pass e.g. (lengths - 1)[:, None] for each row's last token"
+        )
+    if not isinstance(at, jax.core.Tracer) and at.size and (int(at.min()) < 0 or int(at.max()) >= x.shape[1]):
+        raise ValueError(f"logits_at indices must lie in [0, {x.shape[1]}) (the call's length), got "
+                         f"{int(at.min())}..{int(at.max())}")
+    return jnp.take_along_axis(x, at[..., None].astype(jnp.int32), axis=1)
+
+
 def remat_policy(name: str | None):
     """The jax.checkpoint policy for a remat name (None: no rematerialization)."""
     if name is None:
@@ -304,7 +318,9 @@ class CausalTransformer(nn.Module):
     with ``cache=`` (from `init_cache`) it returns ``(logits, new_cache)``: this call's keys and
     values go to the cache's next free slots (the same slots for every row), at the given positions
     (default: each row's next position, ``cache.lengths``), and every query attends to the cached
-    tokens by position.
+    tokens by position. ``logits_at=`` (int ``[B, K]``, indices along the length axis) computes
+    the logits of those tokens only, ``[B, K, vocab_size]``: a prefill that needs the logits of
+    each prompt's last token skips the output projection of all the others.
 
     Attributes beyond the usual sizes:
       num_kv_heads: key/value heads for grouped-query attention (default: num_heads).
@@ -480,7 +496,7 @@ class CausalTransformer(nn.Module):
     # --- forward ---------------------------------------------------------------------------------
 
     @nn.compact
-    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None, logits_at=None):
         tokens = jnp.asarray(tokens) if not isinstance(tokens, jax.core.Tracer) else tokens
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length] token ids, got shape {tokens.shape}")
@@ -559,6 +575,8 @@ class CausalTransformer(nn.Module):
                     new_v.append(layer_cache[1])
             new_k, new_v = tuple(new_k), tuple(new_v)
 
+        if logits_at is not None:
+            x = _take_tokens(x, logits_at)
         x = RMSNorm(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
         rows = token_rows(x)  # as every product of the blocks
         if self.tie_embeddings:
@@ -566,7 +584,7 @@ class CausalTransformer(nn.Module):
         else:
             logits = named_dense(self.vocab_size, ("embed", "vocab"), "lm_head", dtype=self.dtype,
                             param_dtype=self.param_dtype)(rows)
-        logits = logits.reshape(batch, length, self.vocab_size).astype(jnp.float32)
+        logits = logits.reshape(batch, x.shape[1], self.vocab_size).astype(jnp.float32)
         if cache is None:
             return logits
         new_cache = cache.replace(
