@@ -155,7 +155,9 @@ def test_weights_placed_on_a_mesh_serve_what_the_unplaced_task_draws_alone():
 def test_traffic_never_recompiles_the_step_and_prompts_compile_once_per_width():
     task = TextGeneration(*_model(max_seq_len=60))  # a model of its own: the jit caches start empty for it
     server = Server.from_task(task, slots=3, capacity=60)
-    _serve_staggered(server, _traffic(6, 16, 8, seed=1))  # prompt widths 8 and 16 (powers of two)
+    # every prompt width up to 16 (`PREFILL_STEPS` of them per doubling), then mixed settings
+    _serve_staggered(server, [(list(range(1, n + 1)), 2, Sampling(), n) for n in range(1, 17)])
+    _serve_staggered(server, _traffic(6, 16, 8, seed=1))
     prefills, decodes = serving._prefill_jit._cache_size(), serving._decode_jit._cache_size()
     # new prompts, budgets, settings and seeds in the same widths: nothing compiles
     _serve_staggered(server, _traffic(10, 16, 12, seed=2), every=3)
@@ -448,13 +450,18 @@ def test_check_refuses_what_generate_would_refuse_without_queueing_it(task):
         asyncio.run(first_event())
 
 
-def test_finer_prompt_widths_add_the_midpoints_and_pad_at_most_a_third():
+def test_finer_prompt_widths_split_each_doubling_and_pad_at_most_a_third_or_a_fifth():
     from dew.sampling.text import padded_width
 
     lengths = (1, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 300, 385, 900)
-    assert [padded_width(n, 1000, finer=True) for n in lengths] == [
+    assert [padded_width(n, 1000, steps=2) for n in lengths] == [
         8, 8, 12, 12, 16, 16, 24, 24, 32, 48, 64, 384, 512, 1000]
+    assert [padded_width(n, 1000, steps=4) for n in lengths] == [
+        8, 8, 10, 12, 14, 16, 20, 24, 28, 40, 56, 320, 448, 1000]
     assert [padded_width(n, 1000) for n in lengths] == [8, 8, 16, 16, 16, 16, 32, 32, 32, 64, 64, 512, 512, 1000]
-    for n in range(8, 1000):
-        width = padded_width(n, 4096, finer=True)
-        assert n <= width and width - n < width / 3, n
+    for steps, share in ((2, 1 / 3), (4, 1 / 5)):
+        widths = {padded_width(n, 4096, steps=steps) for n in range(8, 4097)}
+        assert len(widths) == 1 + 9 * steps  # 8, then `steps` widths in each of the nine doublings to 4096
+        for n in range(9, 4097):
+            width = padded_width(n, 4096, steps=steps)
+            assert n <= width and width - n < width * share, (steps, n)

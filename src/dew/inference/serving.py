@@ -2,8 +2,8 @@
 
 The cache has ``slots`` rows of ``capacity`` token slots, and each row writes at its own index
 (`dew.nn.kv_cache`), so rows start and end independently. A request waits in a queue until a row
-is free; admitting it prefills its prompt alone (padded to a power-of-two width, so prompt lengths
-share a few programs), seats that one-row cache in the free row and keeps the last logits. Every
+is free; admitting it prefills its prompt alone (padded to one of four widths per doubling,
+`PREFILL_STEPS`, so prompt lengths share a few programs), seats that one-row cache in the free row and keeps the last logits. Every
 step then runs one compiled program over all rows: each row draws its next token from its logits
 with its own settings (`dew.sampling.rows`) and key, and feeds it to the model. A row that drew an
 EOS id of its Sampling or its budget is freed for the next request at once.
@@ -54,6 +54,7 @@ from dew.nn.kv_pages import pages_per_row
 from dew.sampling.rows import RowSampling, choose_row_tokens
 from dew.sampling.text import Sampling, _row_keys, padded_width
 
+PREFILL_STEPS = 4  # prompt widths per doubling (`padded_width`): less than a fifth of a prefill is padding
 THROUGHPUT_WINDOW_S = 10.0  # stats()["tokens_per_second"] counts the tokens of the last this many seconds
 
 
@@ -562,7 +563,7 @@ class Server:
                 self._push_table()
                 continue  # its prompt goes in by `_prefill_pieces`
             length = int(request.prompt.size)
-            width = padded_width(length, self.capacity, finer=True)
+            width = padded_width(length, self.capacity, steps=PREFILL_STEPS)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, :length] = request.prompt
             self._cache, self._state = _prefill_jit(
@@ -579,7 +580,7 @@ class Server:
             start, length = request.prefilled, int(request.prompt.size)
             stop = length if self.chunk is None else min(length, start + self.chunk)
             limit = self.capacity if self.chunk is None else min(self.chunk, self.capacity)
-            width = padded_width(stop - start, limit, finer=True)
+            width = padded_width(stop - start, limit, steps=PREFILL_STEPS)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, : stop - start] = request.prompt[start:stop]
             self._cache, self._state = _prefill_pages_jit(
