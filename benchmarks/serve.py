@@ -12,7 +12,7 @@ process (benchmarks/harness.py):
   tokens in a pool of 40% of the dense cache's pages (requests queue for pages); the same with the
   dense cache's pages, prefilling whole prompts and with chunk=64 (chunked prefill); and a
   shared-prefix load, every prompt behind the same 256 tokens, served paged with and without
-  prefix_cache. Each must draw the dense Server's tokens (the prefix load: each other's). Chunking
+  prefix_cache (emptied before each window, so a window shares only the pages it computes). Each must draw the dense Server's tokens (the prefix load: each other's). Chunking
   is judged by the longest `step()`, the longest a decoding row waits for its next token, against
   the same pool prefilling whole prompts.
 - Dew's static batches: `generate` over the requests 16 at a time in arrival order (prompts padded
@@ -127,6 +127,7 @@ class DewSide(harness.Runner):
         return self.serve_static() if self.static else self.serve_continuous()
 
     def serve_continuous(self):
+        self.server.reset_prefix_cache()  # every window shares only what it computes itself
         start = time.perf_counter()
         requests = [self.server.submit(p, max_new_tokens=self.load["new"], sampling=self.greedy, seed=0)
                     for p in self.prompts]

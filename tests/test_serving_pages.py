@@ -209,6 +209,32 @@ def test_reload_stops_sharing_the_pages_the_old_weights_wrote(task):
     assert server._pool.reused_tokens == 32  # the new weights' first request computed its pages again
 
 
+def test_reset_prefix_cache_makes_the_next_request_compute_its_prompt_and_the_one_after_share_it(task):
+    server = Server.from_task(task, slots=2, capacity=48, kv_cache=KVCache(page_size=8), prefix_cache=True)
+
+    def serve(seed):
+        request = server.submit(SHARED, max_new_tokens=2, sampling=Sampling(), seed=seed)
+        while not request.finished:
+            server.step()
+        return request
+
+    first = serve(0)
+    serve(1)
+    assert server._pool.reused_tokens == 16  # the control: the second request read two full pages
+    server.reset_prefix_cache()
+    again = serve(0)
+    assert server._pool.reused_tokens == 16  # computed afresh after the reset
+    assert again.tokens == first.tokens  # the same weights, seed and prompt draw the same tokens
+    serve(1)
+    assert server._pool.reused_tokens == 32  # and cached again for the next request
+    dense = Server.from_task(task, slots=2, capacity=48)
+    dense.reset_prefix_cache()  # no prefix cache: nothing to forget
+    request = dense.submit(SHARED, max_new_tokens=2, sampling=Sampling(), seed=0)
+    while not request.finished:
+        dense.step()
+    assert request.tokens == first.tokens
+
+
 def test_page_keys_cover_everything_before_a_page_and_released_pages_stay_cached():
     pool = PagePool(4, 2, prefix_cache=True)
     a, b = np.asarray([1, 2, 3, 4, 5]), np.asarray([9, 9, 3, 4, 5])

@@ -313,6 +313,7 @@ class Server:
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()  # submit/cancel (any thread) against step (the stepping thread)
         self._reload: Any = None
+        self._reset_prefixes = False
         self._weights = 0  # counts reloads: prefix pages are shared only among requests of one weights
         self._emitted: collections.deque[tuple[float, int]] = collections.deque()
         self._loop_task: asyncio.Task | None = None
@@ -391,6 +392,12 @@ class Server:
         but no later request shares a prefix page they wrote)."""
         self._reload = variables
 
+    def reset_prefix_cache(self) -> None:
+        """Share no prompt page cached so far, from the next step on: later requests compute their
+        prompts afresh (pages that running requests hold stay theirs). Nothing to do without a
+        prefix cache."""
+        self._reset_prefixes = True
+
     # --- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[Request, TokenEvent]]:
@@ -409,6 +416,9 @@ class Server:
             self.task = self.task.bind(variables)
             self.model, self.variables = self.task.weights.get(self.slots)
             self._weights += 1
+            self._reset_prefixes = True
+        if self._reset_prefixes:
+            self._reset_prefixes = False
             if self._pool is not None:
                 self._pool.forget()
         self._free_cancelled()
