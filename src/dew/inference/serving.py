@@ -3,10 +3,11 @@
 The cache has ``slots`` rows of ``capacity`` token slots, and each row writes at its own index
 (`dew.nn.kv_cache`), so rows start and end independently. A request waits in a queue until a row
 is free; admitting it prefills its prompt alone (padded to one of four widths per doubling,
-`PREFILL_STEPS`, so prompt lengths share a few programs), seats that one-row cache in the free row and keeps the last logits. Every
-step then runs one compiled program over all rows: each row draws its next token from its logits
-with its own settings (`dew.sampling.rows`) and key, and feeds it to the model. A row that drew an
-EOS id of its Sampling or its budget is freed for the next request at once.
+`PREFILL_STEPS`, so prompt lengths share a few programs), seats that one-row cache in the free
+row and keeps the last logits. Every step then runs one compiled program over all rows: each row
+draws its next token from its logits with its own settings (`dew.sampling.rows`) and key, and
+feeds it to the model. A row that drew an EOS id of its Sampling or its budget is freed for the
+next request at once.
 
 A request draws exactly what `TextGeneration` draws for it alone with the same seed: its key is
 the key of row 0 of a one-prompt call (`fold_in(fold_in(key(seed), 0), 0)`), step t draws with
