@@ -12,9 +12,10 @@ process (benchmarks/harness.py):
   tokens in a pool of 40% of the dense cache's pages (requests queue for pages); the same with the
   dense cache's pages, prefilling whole prompts and with chunk=64 (chunked prefill); and a
   shared-prefix load, every prompt behind the same 256 tokens, served paged with and without
-  prefix_cache (emptied before each window, so a window shares only the pages it computes). Each must draw the dense Server's tokens (the prefix load: each other's). Chunking
-  is judged by the longest `step()`, the longest a decoding row waits for its next token, against
-  the same pool prefilling whole prompts.
+  prefix_cache (emptied before each window, so a window shares only the pages it computes). Each
+  must draw the dense Server's tokens (the prefix load: each other's). Chunking is judged by the
+  longest `step()`, the longest a decoding row waits for its next token, against the same pool
+  prefilling whole prompts.
 - Dew's static batches: `generate` over the requests 16 at a time in arrival order (prompts padded
   to the batch's longest); a request's first token is visible when its batch's call returns.
 - transformers' continuous batching, `model.generate_batch` (its defaults), at torch's default thread
