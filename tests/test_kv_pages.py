@@ -142,60 +142,78 @@ def _pools_and_rows(quantized=None, rows=3, entries=4, page_size=4, kv_heads=2, 
 
 @pytest.mark.parametrize("quantized", [None, "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("rules", [{}, dict(window=4), dict(sinks=True)])
-def test_attention_by_page_reads_what_a_gather_of_each_rows_pages_reads(quantized, rules):
+@pytest.mark.parametrize("shared", [0, 2])
+def test_attention_by_page_reads_what_a_gather_of_each_rows_pages_reads(quantized, rules, shared):
     """Scoring every pool page where it lies against its row's queries gives the dense cache's
     attention over the row's pages gathered end to end (GQA, window, sinks, eight-bit codes and
-    scales), with the pool's unnamed pages and its scratch page holding random values."""
+    scales), with the pool's unnamed pages and its scratch page holding random values. With
+    ``shared=2`` the rows begin with the same pages, as a prefix cache lays them out, and the two
+    pages that several rows name are scored against every row."""
     from dew.nn.attention import paged_cache_attention
 
     q, k_pool, v_pool, table, positions, q_positions = _pools_and_rows(quantized)
+    if shared:  # rows 0 and 2 begin with row 1's first page (row 0 holds one), row 2 with its second too
+        table = table.at[0, 0].set(table[1, 0]).at[2, :2].set(table[1, :2])
     if rules.get("sinks"):
         rules = dict(sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0]))
     keys, values = kv_pages.gather_pages(k_pool, v_pool, table)
     want = cache_attention(q, keys, values, q_positions=q_positions, kv_positions=positions, **rules)
-    got = jax.jit(lambda *a: paged_cache_attention(*a, q_positions=q_positions, kv_positions=positions, **rules))(
-        q, k_pool, v_pool, table)
+    got = jax.jit(lambda *a: paged_cache_attention(*a, q_positions=q_positions, kv_positions=positions,
+                                                   shared=shared, **rules))(q, k_pool, v_pool, table)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if shared:  # the control: scored in place, a shared page answers for one of its rows only (a
+        # window may hide that page from all but one row, so the control reads without it)
+        rules = {name: rule for name, rule in rules.items() if name != "window"}
+        want = cache_attention(q, keys, values, q_positions=q_positions, kv_positions=positions, **rules)
+        wrong = paged_cache_attention(q, k_pool, v_pool, table, q_positions=q_positions, kv_positions=positions,
+                                      shared=1, **rules)
+        assert not np.allclose(wrong, want, atol=1e-3)
+        return
     other = table.at[1, 3].set(table[2, 0])  # the control: row 1 reading row 2's first page for its last
     keys, values = kv_pages.gather_pages(k_pool, v_pool, other)
     assert not np.allclose(got, cache_attention(q, keys, values, q_positions=q_positions, kv_positions=positions,
                                                 **rules), atol=1e-3)
 
 
-def test_attend_pages_reads_by_page_unless_two_rows_share_a_page():
-    """A one-token call over rows that name most of the pool is read by page; when two rows name one
-    page (a prefix cache's shared prompt), reading by page would score that page against one row
-    only, so the call gathers instead: both give the gather's answer."""
+def test_attend_pages_reads_by_page_with_the_pages_rows_share_scored_against_every_row():
+    """A one-token call over rows that name most of the pool is read by page. A page that two rows
+    name (a prefix cache's shared prompt) would answer for one row only if scored against its
+    owner's queries, so such pages, up to a row's worth, are scored against every row; with more
+    the call gathers. Each way gives the gather's answer."""
     from dew.nn.attention import paged_cache_attention
 
-    q, k_pool, v_pool, table, positions, q_positions = _pools_and_rows(spare=1)
+    q, k_pool, v_pool, table, positions, q_positions = _pools_and_rows(spare=1)  # 13 pages, rows of 3, 14, 9
 
     def attend(q, keys, values, kv_positions):
         return cache_attention(q, keys, values, q_positions=q_positions, kv_positions=kv_positions)
 
-    calls = []
-
-    def by_page(q, k_pool, v_pool, table, kv_positions):
-        calls.append("traced")
-        return paged_cache_attention(q, k_pool, v_pool, table, q_positions=q_positions, kv_positions=kv_positions)
+    def by_page(q, k_pool, v_pool, table, kv_positions, shared):
+        return paged_cache_attention(q, k_pool, v_pool, table, q_positions=q_positions, kv_positions=kv_positions,
+                                     shared=shared)
 
     run = jax.jit(lambda q, k, v, t: kv_pages.attend_pages(attend, q, k, v, t, positions, 14, by_page))
-    shared = table.at[1, 0].set(table[0, 0])  # rows 0 and 1 begin with the same page
-    for case in (table, shared):
+    first = table.at[0, 0].set(table[1, 0])  # rows 0 and 1 begin with the same page
+    two = first.at[2, :2].set(table[1, :2])  # and rows 1 and 2 with the same two
+    for case in (table, first, two):
         keys, values = kv_pages.gather_pages(k_pool, v_pool, case)
         np.testing.assert_allclose(run(q, k_pool, v_pool, case), attend(q, keys, values, positions), rtol=1e-5, atol=1e-5)
-    assert calls  # the by-page branch is part of the program
-    wrong = paged_cache_attention(q, k_pool, v_pool, shared, q_positions=q_positions, kv_positions=positions)
-    assert not np.allclose(wrong, attend(q, *kv_pages.gather_pages(k_pool, v_pool, shared), positions), atol=1e-3)
-    marked = lambda q, *_: jnp.zeros_like(q)  # noqa: E731  (shows which branch ran)
+
+    def marked(q, *args):  # shows which branch ran: by page (`shared` + 1) or a gather
+        return jnp.full_like(q, args[-1] + 1)
+
     chosen = jax.jit(lambda t, filled: kv_pages.attend_pages(attend, q, k_pool, v_pool, t, positions, filled, marked))
-    assert not np.asarray(chosen(table, 14)).any()  # rows of up to 14 slots in a pool of 13 pages: by page
-    assert np.asarray(chosen(shared, 14)).any()  # a shared page: gathered
-    assert np.asarray(chosen(table, 4)).any()  # one page per row would be gathered: 3 pages of 13
+    np.testing.assert_array_equal(chosen(table, 14), 1)  # rows of up to 14 slots in a pool of 13 pages: by page
+    np.testing.assert_array_equal(chosen(first, 14), 5)  # and the shared page against every row (a row's 4)
+    np.testing.assert_array_equal(chosen(two, 14), 5)
+    a, b, c, d, e, x, y = table[1, 0], table[1, 1], table[1, 2], table[1, 3], table[2, 0], table[2, 1], table[2, 2]
+    crowd = jnp.asarray([[a, b, c, d], [a, b, c, e], [d, e, x, y]])  # 5 pages named twice: more than a row's 4
+    assert not np.isin(np.asarray(chosen(crowd, 14)), [1, 5]).any()  # gathered
+    assert not np.isin(np.asarray(chosen(table, 4)), [1, 5]).any()  # one page per row: 3 pages of 13, gathered
     unchosen = []  # a pool four times what the rows name is gathered: by_page is not even traced
     big = jax.tree.map(lambda x: jnp.concatenate([x] * 4), (k_pool, v_pool))
     kv_pages.attend_pages(attend, q, *big, table, positions, 14, lambda *a: unchosen.append(1))
     assert not unchosen
+
 
 
 def test_positions_past_a_row_are_dropped_not_shifted():

@@ -843,6 +843,7 @@ def paged_cache_attention(
     scale: float | None = None,
     precision: Any = None,
     sinks: jax.Array | None = None,
+    shared: int = 0,
 ) -> jax.Array:
     """`cache_attention` read page by page from a paged cache's pools, where they lie.
 
@@ -853,8 +854,13 @@ def paged_cache_attention(
     scores are laid out by row for the same masked softmax as `cache_attention`, and the weights go
     back to their pages for the value product; each row then sums its pages' parts. The pools are
     read once, in place, with no row-major copy of them: the work follows the pool, so this is the
-    form for calls whose rows name most of it (decode steps of a Server). Needs every page but the
-    last (scratch) named by at most one row; what the scratch page holds is never read.
+    form for calls whose rows name most of it (decode steps of a Server).
+
+    A page scored against one row's queries answers for that row only. Pages that several rows
+    name (a prefix cache's shared prompt pages), up to ``shared`` of them, are scored against every
+    row's queries instead, and each row takes the scores of the ones it names; with more such
+    pages than ``shared`` the answer is wrong, so the caller counts them (`dew.nn.kv_pages`). What
+    the scratch page (the pool's last) holds is never read.
     """
     q, (k_pool, k_scales), (v_pool, v_scales) = _cache_operands(q, k_pool, v_pool, paged=True)
     batch, q_len, heads, head_dim = q.shape
@@ -867,24 +873,45 @@ def paged_cache_attention(
         )
     shape = _CacheShape.of(q, kv_heads, scale)
     width = shape.groups * q_len
+    scaling = jnp.asarray(shape.scale, shape.accumulate)
+    row_queries = shape.rows(q, k_pool.dtype).reshape(batch, kv_heads, width, head_dim)
     owner = jnp.zeros((pages,), jnp.int32).at[page_table.reshape(-1)].set(
         jnp.repeat(jnp.arange(batch, dtype=jnp.int32), entries))
-    queries = shape.rows(q, k_pool.dtype).reshape(batch, kv_heads, width, head_dim)[owner]  # [P + 1, K, G * T, H]
-    logits = jnp.einsum("pkqh,pkhs->pkqs", queries, k_pool, precision=precision,
-                        preferred_element_type=shape.accumulate) * jnp.asarray(shape.scale, shape.accumulate)
+    logits = jnp.einsum("pkqh,pkhs->pkqs", row_queries[owner], k_pool, precision=precision,
+                        preferred_element_type=shape.accumulate) * scaling  # [P + 1, K, G * T, page]
     if k_scales is not None:
         logits = logits * k_scales
-    # [P + 1, K, G * T, page] -> each row's pages end to end: [B * K, G * T, E * page]
-    logits = logits[page_table].transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, width, entries * page_size)
+    logits = logits[page_table]  # [B, E, K, G * T, page]
+    if shared:  # pages several rows name: `common` ([M]), scored against every row
+        named = jnp.zeros((pages,), jnp.int32).at[page_table.reshape(-1)].add(1).at[pages - 1].set(0)
+        common = jnp.nonzero(named > 1, size=shared, fill_value=pages - 1)[0]
+        several = (named > 1)[page_table]  # [B, E]: the entries that name one of them
+        slot = jnp.zeros((pages,), jnp.int32).at[common].set(jnp.arange(shared, dtype=jnp.int32))[page_table]
+        rows = jnp.arange(batch)[:, None]
+        common_logits = jnp.einsum("bkqh,mkhs->mbkqs", row_queries, k_pool[common], precision=precision,
+                                   preferred_element_type=shape.accumulate) * scaling  # [M, B, K, G * T, page]
+        if k_scales is not None:
+            common_logits = common_logits * k_scales[common][:, None]
+        logits = jnp.where(several[:, :, None, None, None], common_logits[slot, rows], logits)
+    # each row's pages end to end: [B * K, G * T, E * page]
+    logits = logits.transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, width, entries * page_size)
     weights = shape.weights(logits, q_positions, kv_positions, causal=causal, window=window, sinks=sinks)
     weights = weights.reshape(batch, kv_heads, width, entries, page_size).transpose(0, 3, 1, 2, 4)
-    by_page = jnp.zeros((pages, kv_heads, width, page_size), weights.dtype).at[page_table].set(weights)
+    own = weights if not shared else jnp.where(several[:, :, None, None, None], 0, weights)
+    by_page = jnp.zeros((pages, kv_heads, width, page_size), weights.dtype).at[page_table].set(own)
     by_page = by_page.at[pages - 1].set(0)  # scratch, named by many rows: contributes nothing
     if v_scales is not None:
         by_page = by_page * v_scales
     out = jnp.einsum("pkqs,pksh->pkqh", by_page.astype(v_pool.dtype), v_pool, precision=precision,
                      preferred_element_type=shape.accumulate)
     out = out[page_table].sum(axis=1)  # [B, K, G * T, H]
+    if shared:  # each row's weights on the common pages it names, back to those pages: [M, B, K, G * T, page]
+        common_weights = jnp.zeros((shared, *weights.shape[:1], *weights.shape[2:]), weights.dtype)
+        common_weights = common_weights.at[slot, rows].add(weights - own)
+        if v_scales is not None:
+            common_weights = common_weights * v_scales[common][:, None]
+        out = out + jnp.einsum("mbkqs,mksh->bkqh", common_weights.astype(v_pool.dtype), v_pool[common],
+                               precision=precision, preferred_element_type=shape.accumulate)
     return shape.heads(out.reshape(batch * kv_heads, width, head_dim), q.dtype)
 
 

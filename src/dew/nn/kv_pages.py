@@ -17,12 +17,12 @@ on the table's shape, never on which pages a row holds (`attend_pages`):
 
 - by row: each row's pages are gathered end to end into the dense layout (`gather_pages`) and
   attended as a dense cache is. The gather copies what it reads, so it takes only the first
-  pages of each row, up to the fullest row's last written slot, in a few buckets. Prompts, rows
-  that have written little of a large pool, and pages shared between rows (a prefix cache) are
-  read this way.
+  pages of each row, up to the fullest row's last written slot, in a few buckets. Prompts and
+  rows that have written little of a large pool are read this way.
 - by page (`dew.nn.attention.paged_cache_attention`): every pool page is scored where it lies
-  against the queries of the row that holds it, with no copy. Its work follows the pool, so it
-  reads one-token calls (decode steps) whose gather would move at least half the pool's pages.
+  against the queries of the row that holds it, with no copy; pages several rows hold (a prefix
+  cache's shared prompt pages) against every row's. Its work follows the pool, so it reads
+  one-token calls (decode steps) whose gather would move at least half the pool's pages.
 
 A quantized layout pages `Quantized` blocks: codes and their scales (``head_dim`` 1) move together.
 """
@@ -123,19 +123,20 @@ def attend_pages(attend: Callable, q: jax.Array, k_pool: Any, v_pool: Any, page_
                  kv_positions: jax.Array, filled: jax.Array, by_page: Callable | None = None) -> jax.Array:
     """Attention of ``q [B, T, N, H]`` over every row's pages: ``attend(q, keys, values, kv_positions)``
     over pages gathered into the dense layout, or ``by_page(q, k_pool, v_pool, page_table,
-    kv_positions)`` over the pools where they lie (`dew.nn.attention.paged_cache_attention`).
+    kv_positions, shared)`` over the pools where they lie (`dew.nn.attention.paged_cache_attention`).
 
     `filled` (a traced scalar) is how many slots the fullest row has written, this call's tokens
     included: every slot past it is empty in every row, so a gather takes only the smallest of
     `page_buckets` that covers it. `by_page` runs a one-token call when that gather would move at
     least half as many pages as the pool holds (reading the pool in place is then cheaper than
-    copying those pages) and no page is named by two rows (a prefix cache shares pages; its steps
-    gather). Branches are picked on the device (`lax.cond`, `lax.switch`), so one program serves
-    every mix of rows.
+    copying those pages) and at most a row's worth of pages are named by several rows (a prefix
+    cache's shared prompt pages): it scores those against every row (``shared``, 0 when there are
+    none). Branches are picked on the device (`lax.switch`), so one program serves every mix of
+    rows.
     """
     page_size = jax.tree.leaves(v_pool)[0].shape[-2]
-    rows = page_table.shape[0]
-    buckets = page_buckets(page_table.shape[1])
+    rows, entries = page_table.shape
+    buckets = page_buckets(entries)
     needed = (jnp.asarray(filled, jnp.int32) + page_size - 1) // page_size
     branch = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), needed), len(buckets) - 1)
 
@@ -143,20 +144,22 @@ def attend_pages(attend: Callable, q: jax.Array, k_pool: Any, v_pool: Any, page_
         keys, values = gather_pages(k_pool, v_pool, page_table[:, :entries])
         return attend(q, keys, values, kv_positions[:, : entries * page_size])
 
-    def gathered(q, k_pool, v_pool, page_table, kv_positions):
-        operands = (q, k_pool, v_pool, page_table, kv_positions)
-        if len(buckets) == 1:
-            return over(buckets[0], *operands)
-        return jax.lax.switch(branch, [functools.partial(over, entries) for entries in buckets], *operands)
-
+    gathered = [functools.partial(over, bucket) for bucket in buckets]
     operands = (q, k_pool, v_pool, page_table, kv_positions)
     pages = scratch_page(k_pool)
     if by_page is None or q.shape[1] != 1 or 2 * rows * buckets[-1] < pages:
-        return gathered(*operands)
+        return gathered[0](*operands) if len(buckets) == 1 else jax.lax.switch(branch, gathered, *operands)
     named = jnp.zeros((pages + 1,), jnp.int32).at[page_table.reshape(-1)].add(1)
+    common = jnp.sum(named[:pages] > 1)
     gathers = 2 * rows * jnp.asarray(buckets, jnp.int32)[branch]
-    use_pages = (gathers >= pages) & ~jnp.any(named[:pages] > 1)
-    return jax.lax.cond(use_pages, by_page, gathered, *operands)
+    use_pages = (gathers >= pages) & (common <= entries)
+    paged = [functools.partial(_by_page, by_page, shared) for shared in (0, entries)]
+    choice = jnp.where(use_pages, len(buckets) + (common > 0), branch)
+    return jax.lax.switch(choice, gathered + paged, *operands)
+
+
+def _by_page(by_page: Callable, shared: int, *operands) -> jax.Array:
+    return by_page(*operands, shared)
 
 
 def write_page_positions(positions: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:

@@ -185,8 +185,9 @@ class SelfAttention(nn.Module):
             def attend(q, seen_k, seen_v, kv_positions):
                 return cache_attention(q, seen_k, seen_v, kv_positions=kv_positions, **rules)
 
-            def by_page(q, k_pool, v_pool, page_table, kv_positions):
-                return paged_cache_attention(q, k_pool, v_pool, page_table, kv_positions=kv_positions, **rules)
+            def by_page(q, k_pool, v_pool, page_table, kv_positions, shared):
+                return paged_cache_attention(q, k_pool, v_pool, page_table, kv_positions=kv_positions,
+                                             shared=shared, **rules)
 
             if page_table is None:
                 cache_k, cache_v = write_kv(cache_k, cache_v, k, v, index)
