@@ -6,7 +6,9 @@ request never waits for a page; one that does not fit waits in the queue until p
 With the prefix cache on, each full page of a prompt is keyed by a hash of its tokens and of every
 token before it (the key of the page before it), so two prompts share a page exactly when they
 agree on everything up to its end. A shared page counts its holders; at zero it stays cached
-until a new request needs the room (least recently used first) or `forget` drops it.
+until a new request needs the room (least recently used first) or `forget` drops it. A page is
+offered only once its request has prefilled it, so a request whose next page another request is
+still computing waits for it rather than computing it a second time.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PagePool:
         self._holders = np.zeros((pages,), np.int64)
         self._cached: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
         self._key_of: dict[int, bytes] = {}
+        self._computing: dict[bytes, int] = {}  # key -> the fresh page a prefilling request writes it to
         self.reused_tokens = 0  # prompt tokens read from shared pages instead of computed
 
     @property
@@ -60,16 +63,20 @@ class PagePool:
 
     def grant(self, prompt: np.ndarray, tokens: int) -> Grant | None:
         """Pages for a request of `prompt` that holds up to `tokens` tokens, or None while the pool
-        cannot give them. The last prompt token is always computed (its logits start the decode),
-        so at most ``(len(prompt) - 1) // page_size`` pages are shared."""
+        cannot give them or another request is computing the next page it could share. The last
+        prompt token is always computed (its logits start the decode), so at most
+        ``(len(prompt) - 1) // page_size`` pages are shared."""
         needed = math.ceil(tokens / self.page_size)
-        shared = []
+        shared, keys = [], []
         if self.prefix_cache:
-            for key in self.page_keys(prompt)[: (len(prompt) - 1) // self.page_size]:
+            keys = self.page_keys(prompt)[: (len(prompt) - 1) // self.page_size]
+            for key in keys:
                 page = self._cached.get(key)
                 if page is None:
                     break
                 shared.append(page)
+            if len(shared) < len(keys) and keys[len(shared)] in self._computing:
+                return None
         fresh_needed = needed - len(shared)
         evictable = [page for page in self._cached.values() if self._holders[page] == 0 and page not in shared]
         if fresh_needed > len(self._free) + len(evictable):
@@ -84,6 +91,8 @@ class PagePool:
             self._cached.move_to_end(self._key_of[page])
         self._holders[list(shared) + fresh] += 1
         self.reused_tokens += len(shared) * self.page_size
+        for key, page in zip(keys[len(shared):], fresh):
+            self._computing.setdefault(key, page)
         return Grant(tuple(shared), tuple(fresh))
 
     def share(self, prompt: np.ndarray, pages: tuple[int, ...]) -> None:
@@ -91,12 +100,16 @@ class PagePool:
         if not self.prefix_cache:
             return
         for key, page in zip(self.page_keys(prompt), pages):
+            if self._computing.get(key) == page:
+                del self._computing[key]
             if key not in self._cached and page not in self._key_of:
                 self._cached[key] = page
                 self._key_of[page] = key
 
     def release(self, pages: tuple[int, ...]) -> None:
         """A request is done with `pages`; a page nobody holds is free again unless it is cached."""
+        held = set(pages)  # a request that leaves before its prefill is done computes nothing more
+        self._computing = {key: page for key, page in self._computing.items() if page not in held}
         for page in pages:
             self._holders[page] -= 1
             if self._holders[page] == 0 and page not in self._key_of:
@@ -109,3 +122,4 @@ class PagePool:
                 self._free.append(page)
         self._cached.clear()
         self._key_of.clear()
+        self._computing.clear()
