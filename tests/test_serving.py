@@ -451,7 +451,7 @@ def test_check_refuses_what_generate_would_refuse_without_queueing_it(task):
 
 
 def test_finer_prompt_widths_split_each_doubling_and_pad_at_most_a_third_or_a_fifth():
-    from dew.sampling.text import padded_width
+    from dew.widths import padded_width
 
     lengths = (1, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 300, 385, 900)
     assert [padded_width(n, 1000, steps=2) for n in lengths] == [

@@ -24,6 +24,7 @@ import numpy as np
 
 from dew.checks import count
 from dew.data.chat_messages import ChatTemplate, TemplateError
+from dew.widths import padded_width
 
 try:  # lm-eval's base class when it is installed, so lm_eval.simple_evaluate accepts a DewLM
     from lm_eval.api.model import LM as _Base
@@ -35,7 +36,6 @@ except ImportError:  # the adapter works without it, over any request objects wi
         return lambda cls: cls
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's max_gen_toks when a request names none
-MIN_WIDTH = 8
 
 
 def _pipeline(source: Any, options: dict[str, Any]) -> Any:
@@ -426,11 +426,6 @@ def row_shards(sharding: Any) -> int:
     return rows // sharding.shard_shape((rows, 1))[0]
 
 
-def padded_width(length: int, limit: int) -> int:
-    """The next power of two at or above `length` (at least 8), capped at `limit`."""
-    return min(max(MIN_WIDTH, 1 << (max(length, 1) - 1).bit_length()), limit)
-
-
 def rolling_windows(tokens: list[int], prefix_token: int, max_length: int) -> list[tuple[list[int], list[int]]]:
     """(context, continuation) windows that predict every token of `tokens` once, as lm-eval's
     `get_rolling_token_windows` with context_len=1 and `make_disjoint_window` make them: the first
@@ -465,4 +460,4 @@ def _args(request: Any, size: int, kind: str) -> tuple:
     return args
 
 
-__all__ = ["DewLM", "cut_at", "padded_width", "rolling_windows"]
+__all__ = ["DewLM", "cut_at", "rolling_windows"]

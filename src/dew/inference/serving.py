@@ -53,7 +53,8 @@ from dew.nn.backbones.causal_transformer import check_tokens
 from dew.nn.kv_cache import EMPTY, KVCache, check_layout
 from dew.nn.kv_pages import pages_per_row
 from dew.sampling.rows import RowSampling, choose_row_tokens
-from dew.sampling.text import Sampling, _row_keys, padded_width
+from dew.sampling.text import Sampling, _row_keys
+from dew.widths import padded_width
 
 PREFILL_STEPS = 4  # prompt widths per doubling (`padded_width`): less than a fifth of a prefill is padding
 THROUGHPUT_WINDOW_S = 10.0  # stats()["tokens_per_second"] counts the tokens of the last this many seconds

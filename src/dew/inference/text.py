@@ -13,7 +13,8 @@ from dew.checks import count
 from dew.data.tokens import prompt_rows
 from dew.inference.decode_layout import DecodeWeights
 from dew.inference.processor import RunProcessor, as_processor, encode_prompts
-from dew.sampling.text import Generation, Sampling, generate, padded_width
+from dew.sampling.text import Generation, Sampling, generate
+from dew.widths import padded_width
 
 
 def resolve_key(seed: Any, key: Any) -> jax.Array:

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.checks import count
-from dew.sampling.text import Sampling, _row_keys, choose_tokens, padded_width
+from dew.sampling.text import Sampling, _row_keys, choose_tokens
+from dew.widths import padded_width
 
 
 def _outlines():

@@ -23,6 +23,7 @@ import numpy as np
 
 from dew.checks import count
 from dew.data.tokens import prompt_rows
+from dew.widths import padded_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,23 +258,6 @@ _generate_jit = jax.jit(
 
 
 # --- the public entry point ----------------------------------------------------------------------
-
-
-def padded_width(length: int, limit: int, *, steps: int = 1) -> int:
-    """The padded prompt width for a longest prompt of `length` tokens: the next power of two
-    (at least 8), capped at `limit`. Prompts are padded so new lengths rarely recompile.
-
-    ``steps`` (1, 2, 4, ...) splits each doubling into that many even widths: 2 adds 1.5 times each
-    power of two (12, 24, 48, ...), so less than a third of a width is padding instead of half; 4
-    adds 1.25, 1.5 and 1.75 times (80, 96, 112, 128, 160, ...), less than a fifth, in four times the
-    programs. A server prefilling prompt after prompt takes the finer widths, since it compiles each
-    width once and pays for the padding at every prompt.
-    """
-    width = max(8, 1 << (length - 1).bit_length())
-    step = width // (2 * steps)
-    if width > 8 and step:
-        width = width // 2 + -(-(length - width // 2) // step) * step
-    return min(width, limit)
 
 
 def generate(
