@@ -8,7 +8,9 @@ vocabulary 8192, float32), and both run the Server's own compiled decode program
 paged pool has pages of --page-size tokens, each row's pages in shuffled pool order (the step
 attends over the bucket of pages the longest row needs, as in a Server). --lengths: rows
 spread over the whole row ("mixed"), all near its end ("full"), or spread over its first fifth
-("short", a batch early in its requests).
+("short", a batch early in its requests). --shared N adds a third side: the paged cache with every
+row's first N pages the same pool pages (a prefix cache's shared prompt), which the step scores
+against every row's queries.
 
 Reports the median milliseconds per step of each, wall time and process CPU time (on a machine
 shared with other work the CPU time moves less; run with
@@ -16,7 +18,8 @@ XLA_FLAGS=--xla_cpu_multi_thread_eigen=false so it counts one thread's work), an
 --hlo writes the compiled paged step, to check that the pools are updated in place (no copy of a
 whole pool). Prints one JSON line.
 
-    .venv/bin/python benchmarks/kv_pages_step.py [--rows 8] [--slots 512] [--lengths mixed|full|short] [--windows 7]
+    .venv/bin/python benchmarks/kv_pages_step.py [--rows 8] [--slots 512] [--lengths mixed|full|short]
+        [--shared N] [--windows 7]
 """
 
 from __future__ import annotations
@@ -78,11 +81,13 @@ def decode_state(model: CausalTransformer, rows: int) -> dict:
 class Side:
     """One cache layout's rows and the decode program that steps them."""
 
-    def __init__(self, model, variables, layout, rows, slots, lengths, rng):
+    def __init__(self, model, variables, layout, rows, slots, lengths, rng, shared=0):
         cache = model.init_cache(rows, slots, layout=layout)
         if cache.paged:  # each row's pages somewhere in the pool, as a Server hands them out
             shuffled = rng.permutation(cache.pages).astype(np.int32)
-            cache = cache.replace(page_table=jnp.asarray(shuffled[np.asarray(cache.page_table)]))
+            table = shuffled[np.asarray(cache.page_table)]
+            table[:, :shared] = table[0, :shared]  # the first `shared` pages: one prefix every row reads
+            cache = cache.replace(page_table=jnp.asarray(table))
         self.model, self.variables, self.lengths = model, variables, lengths
         self.cache = filled(cache, lengths, jax.random.key(2))
         self.state = decode_state(model, rows)
@@ -110,15 +115,21 @@ def main() -> None:
     parser.add_argument("--lengths", choices=("mixed", "full", "short"), default="mixed")
     parser.add_argument("--steps", type=int, default=20, help="decode calls per window")
     parser.add_argument("--windows", type=int, default=7, help="windows per side (the median is reported)")
+    parser.add_argument("--shared", type=int, default=0, help="add a side whose rows share their first N pages")
     parser.add_argument("--hlo", help="write the compiled paged step's HLO text to this file")
     args = parser.parse_args()
     model = build_model()
     variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32)))
     lengths = row_lengths(args.lengths, args.rows, args.slots, args.steps)
+    if args.shared * args.page_size > lengths.min():
+        parser.error(f"--shared {args.shared} pages of {args.page_size} hold more than the shortest row's "
+                     f"{lengths.min()} tokens; pass fewer pages or --lengths full")
     rng = np.random.default_rng(0)
     shape = (args.rows, args.slots, lengths, rng)
-    sides = {"dense": Side(model, variables, None, *shape),
-             "paged": Side(model, variables, KVCache(page_size=args.page_size), *shape)}
+    pages = KVCache(page_size=args.page_size)
+    sides = {"dense": Side(model, variables, None, *shape), "paged": Side(model, variables, pages, *shape)}
+    if args.shared:
+        sides["shared"] = Side(model, variables, pages, *shape, shared=args.shared)
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(sides["paged"].lowered_text())
@@ -141,6 +152,8 @@ def main() -> None:
         "paged_over_dense": round(medians["paged"] / medians["dense"], 3),
         "dense_cpu_ms": round(cpu["dense"], 2), "paged_cpu_ms": round(cpu["paged"], 2),
         "cpu_paged_over_dense": round(cpu["paged"] / cpu["dense"], 3), "jax": jax.__version__,
+        **({"shared": args.shared, "shared_ms": round(medians["shared"], 2),
+            "shared_over_dense": round(medians["shared"] / medians["dense"], 3)} if args.shared else {}),
     }))
 
 
