@@ -58,7 +58,7 @@ class ScriptedEngine:
 
     def stats(self):
         return {"queue_depth": 0.0, "running": float(self.opened - self.closed), "tokens_per_second": 0.0,
-                "pages_used": 0.0}
+                "pages_used": 0.0, "prompt_tokens_total": 0.0, "prompt_tokens_cached_total": 0.0}
 
     async def generate(self, prompt, *, max_new_tokens, sampling, seed):
         if len(prompt) + max_new_tokens > self.capacity:
@@ -286,8 +286,10 @@ def test_tags_models_health_and_metrics(served):
     assert [m["id"] for m in httpx.get(served.url + "/v1/models").json()["data"]] == ["scripted"]
     assert httpx.get(served.url + "/health").json()["status"] == "ok"
     metrics = httpx.get(served.url + "/metrics").text
-    for name in ("dew_queue_depth", "dew_running", "dew_tokens_per_second", "dew_pages_used", "dew_requests_in_flight"):
+    for name in ("dew_queue_depth", "dew_running", "dew_tokens_per_second", "dew_pages_used", "dew_requests_in_flight",
+                 "dew_prompt_tokens_total", "dew_prompt_tokens_cached_total"):
         assert f"\n{name} " in "\n" + metrics
+    assert "# TYPE dew_prompt_tokens_cached_total counter" in metrics
 
 
 # --- load and departures ------------------------------------------------------------------------

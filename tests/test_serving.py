@@ -273,12 +273,13 @@ def test_reload_swaps_the_weights_between_steps(task):
 
 def test_stats_count_the_queue_and_the_running_rows(task):
     server = Server.from_task(task, slots=2, capacity=48)
-    assert server.stats() == {"queue_depth": 0.0, "running": 0.0, "tokens_per_second": 0.0, "pages_used": 0.0}
+    assert server.stats() == {"queue_depth": 0.0, "running": 0.0, "tokens_per_second": 0.0, "pages_used": 0.0,
+                              "prompt_tokens_total": 0.0, "prompt_tokens_cached_total": 0.0}
     requests = [server.submit([1, 2, 3], max_new_tokens=5, sampling=Sampling(), seed=i) for i in range(3)]
     assert server.stats()["queue_depth"] == 3.0
     server.step()
     stats = server.stats()
-    assert stats["queue_depth"] == 1.0 and stats["running"] == 2.0
+    assert stats["queue_depth"] == 1.0 and stats["running"] == 2.0 and stats["prompt_tokens_total"] == 6.0
     while not all(r.finished for r in requests):
         server.step()
     stats = server.stats()

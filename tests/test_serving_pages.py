@@ -278,7 +278,8 @@ def test_requests_with_one_prompt_start_admitted_together_compute_it_once(task):
     assert [r.row is not None for r in requests] == [True, False, False]
     while not all(r.finished for r in requests):
         server.step()
-    assert server._pool.reused_tokens == 2 * 16
+    stats = server.stats()
+    assert (stats["prompt_tokens_total"], stats["prompt_tokens_cached_total"]) == (3 * 20, 2 * 16)
     for request in requests:
         tokens, log_probs = _alone(task, request, REFERENCE_BUDGET)
         assert request.tokens == tokens, f"request with seed {request.seed}"

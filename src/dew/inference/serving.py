@@ -318,6 +318,7 @@ class Server:
         self._reset_prefixes = False
         self._weights = 0  # counts reloads: prefix pages are shared only among requests of one weights
         self._emitted: collections.deque[tuple[float, int]] = collections.deque()
+        self._prompt_tokens = 0  # of every admitted request, shared or computed
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -566,6 +567,7 @@ class Server:
                 row = free[0]
                 self._rows[row] = request
             request.row = row
+            self._prompt_tokens += int(request.prompt.size)
             self._mask_row(row, request)
             if self.paged:
                 request.pages, request.weights = grant.pages, self._weights
@@ -611,7 +613,9 @@ class Server:
             self._emitted.popleft()
 
     def stats(self) -> dict[str, float]:
-        """Queue depth, running rows, tokens per second over the last few seconds, cache pages used (0: dense)."""
+        """Queue depth, running rows, tokens per second over the last few seconds, cache pages used
+        (0: dense), and the prompt tokens of every admitted request and of those read from the
+        prefix cache's shared pages (both counted since the Server started)."""
         now = time.monotonic()
         recent = [(at, n) for at, n in list(self._emitted) if at >= now - THROUGHPUT_WINDOW_S]
         span = now - recent[0][0] if recent else 0.0
@@ -623,6 +627,8 @@ class Server:
             "running": float(running),
             "tokens_per_second": float(sum(n for _, n in recent) / span) if span > 0 else 0.0,
             "pages_used": float(self._pool.used) if self._pool is not None else 0.0,
+            "prompt_tokens_total": float(self._prompt_tokens),
+            "prompt_tokens_cached_total": float(self._pool.reused_tokens) if self._pool is not None else 0.0,
         }
 
     # --- asyncio ---------------------------------------------------------------------------------

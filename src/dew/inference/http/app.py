@@ -5,8 +5,8 @@ contract. Both APIs share its `ServedModel`, an `Admission` bound on the request
 more answers 429, so the queue never grows without bound), and the error handlers that answer in
 each API's schema: `{"error": {"message", "type", "param", "code"}}` under /v1, `{"error": message}`
 under /api. `/health` says whether the engine is up; `/metrics` reports the engine's queue depth,
-running rows, tokens/s and cache pages, and the requests in flight and refused, in Prometheus' text
-format.
+running rows, tokens/s, cache pages and prompt tokens (all, and those read from the prefix cache),
+and the requests in flight and refused, in Prometheus' text format.
 """
 
 from __future__ import annotations
