@@ -286,6 +286,25 @@ def test_requests_with_one_prompt_start_admitted_together_compute_it_once(task):
         np.testing.assert_allclose([e.logprob for e in request.events], log_probs, atol=1e-4)
 
 
+def test_a_finished_requests_drawn_tokens_are_shared_with_a_next_turn_that_repeats_them(task):
+    """A chat's next turn repeats the last prompt and its reply: once the first request finishes,
+    the full pages of its prompt and drawn tokens (33 tokens: four pages of 8) are offered, so the
+    next turn computes only what follows them, and draws what it draws alone."""
+    server = Server.from_task(task, slots=2, capacity=48, kv_cache=KVCache(page_size=8), prefix_cache=True)
+    first = server.submit(SHARED, max_new_tokens=14, sampling=Sampling(temperature=0.0), seed=0)
+    while not first.finished:
+        server.step()
+    assert len(first.tokens) == 14 and server._pool.reused_tokens == 0
+    turn = list(SHARED) + first.tokens + [7, 8]
+    second = server.submit(turn, max_new_tokens=6, sampling=SETTINGS[2], seed=3)
+    while not second.finished:
+        server.step()
+    assert server._pool.reused_tokens == 32  # prompt pages alone would give 16
+    tokens, log_probs = _alone(task, second, REFERENCE_BUDGET)
+    assert second.tokens == tokens
+    np.testing.assert_allclose([e.logprob for e in second.events], log_probs, atol=1e-4)
+
+
 def test_dew_serve_flags_build_a_paged_server_and_metrics_report_its_pages(tmp_path, monkeypatch):
     uvicorn = pytest.importorskip("uvicorn")
     from fastapi.testclient import TestClient

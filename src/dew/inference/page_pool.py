@@ -1,5 +1,6 @@
 """The host's account of a paged cache's pool: which pages are free, which rows hold which, and
-which full prompt pages other requests may share.
+which full pages other requests may share: a request's prompt pages once it has prefilled them, and
+the pages of its prompt and drawn tokens once it has finished.
 
 A request is given every page its prompt and budget can fill when it is admitted, so a running
 request never waits for a page; one that does not fit waits in the queue until pages come back.
@@ -95,11 +96,12 @@ class PagePool:
             self._computing.setdefault(key, page)
         return Grant(tuple(shared), tuple(fresh))
 
-    def share(self, prompt: np.ndarray, pages: tuple[int, ...]) -> None:
-        """Offer the full prompt pages of a prefilled request (its pages in prompt order) to later ones."""
+    def share(self, tokens: np.ndarray, pages: tuple[int, ...]) -> None:
+        """Offer the full pages of `tokens` (what a request's pages hold, in order: its
+        prompt once prefilled, or its prompt and drawn tokens once finished) to later requests."""
         if not self.prefix_cache:
             return
-        for key, page in zip(self.page_keys(prompt), pages):
+        for key, page in zip(self.page_keys(tokens), pages):
             if self._computing.get(key) == page:
                 del self._computing[key]
             if key not in self._cached and page not in self._key_of:

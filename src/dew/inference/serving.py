@@ -19,7 +19,8 @@ and budget (`dew.inference.page_pool`), its prompt is written straight into its 
 go back when it ends. A paged decode call runs only the live rows, padded to one of a few sizes
 (`row_buckets`): their state is all a paged row owns. ``chunk`` prefills a long prompt ``chunk``
 tokens per step while the other rows keep decoding; ``prefix_cache`` lets a request read the full
-prompt pages of earlier requests that began with the same tokens instead of computing them again.
+pages of earlier requests that began with the same tokens (their prompts, and once they finish their
+drawn tokens too) instead of computing them again.
 
 A request may carry a `dew.sampling.guided.Grammar` (a JSON schema or a regular expression): it
 decodes in the same batch as the others, each step's logits of its row masked to the tokens its
@@ -490,6 +491,8 @@ class Server:
         with self._lock:
             for row in freed + [row for row, _ in failed]:
                 self._rows[row] = None
+        for request in done if self._pool is not None and self._pool.prefix_cache else ():
+            self._share_drawn(request)
         done += [request for _, request in failed]
         self._stop_rows(freed + [row for row, _ in failed], done)
         self._count_emitted(len(events))
@@ -497,6 +500,14 @@ class Server:
             if request.listener is not None:
                 request.listener(request.error)
         return events
+
+    def _share_drawn(self, request: Request) -> None:
+        """Offer the full pages of a finished request's prompt and drawn tokens to later requests (a
+        chat's next turn repeats them). Each drawn token was fed back, so its key and value are in
+        the request's pages; draws past its end, unseen, lie beyond its last full page."""
+        if request.weights == self._weights:
+            self._pool.share(np.concatenate([request.prompt, np.asarray(request.tokens, request.prompt.dtype)]),
+                             request.pages)
 
     def _advance_grammar(self, row: int, request: Request, token: int) -> bool:
         """Move a guided request's grammar past `token` and mask its row for the next draw; False
