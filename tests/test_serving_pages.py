@@ -256,30 +256,33 @@ def test_a_request_waits_for_a_page_another_request_is_computing_rather_than_com
     pool = PagePool(16, 2, prefix_cache=True)
     a, b = np.asarray([1, 2, 3, 4, 5]), np.asarray([1, 2, 3, 4, 6, 7])
     first = pool.grant(a, 5)
-    assert pool.grant(b, 6) is None  # its first two pages are a's, not yet prefilled
-    assert len(pool.grant(np.asarray([8, 1, 2]), 3).fresh) == 2  # another start computes its own
+    assert pool.computing(b)  # its first two pages are a's, not yet prefilled
+    assert not pool.computing(np.asarray([8, 1, 2]))  # another start computes its own
     pool.share(a, first.pages)  # a's prompt is in its pages
-    assert pool.grant(b, 6).shared == first.pages[:2]
+    assert not pool.computing(b) and pool.grant(b, 6).shared == first.pages[:2]
     writer = pool.grant(np.asarray([5, 5, 5]), 3)
-    assert pool.grant(np.asarray([5, 5, 6]), 3) is None
+    assert pool.computing(np.asarray([5, 5, 6]))
     pool.release(writer.pages)  # the writer left before its prefill was done: nobody waits for it
-    assert pool.grant(np.asarray([5, 5, 6]), 3).shared == ()
+    assert not pool.computing(np.asarray([5, 5, 6]))
     pool.grant(np.asarray([7, 7, 7]), 3)
     pool.forget()  # forgotten pages are neither shared nor waited for
-    assert pool.grant(np.asarray([7, 7, 6]), 3) is not None
+    assert not pool.computing(np.asarray([7, 7, 6]))
 
 
 def test_requests_with_one_prompt_start_admitted_together_compute_it_once(task):
     """Three requests behind the same two full pages arrive at once: the first computes them, the
-    other two wait one step and read them, and each draws what it draws alone."""
+    other two wait one step and read them, and each draws what it draws alone. A request with
+    another prompt, queued behind them, does not wait with them."""
     server = Server.from_task(task, slots=4, capacity=48, kv_cache=KVCache(page_size=8), prefix_cache=True)
     requests = [server.submit(SHARED + [10 + i], max_new_tokens=4, sampling=SETTINGS[i], seed=i) for i in range(3)]
+    other = server.submit([5, 4, 3, 2, 1], max_new_tokens=4, sampling=SETTINGS[0], seed=9)
     server.step()
-    assert [r.row is not None for r in requests] == [True, False, False]
+    assert [r.row is not None for r in requests + [other]] == [True, False, False, True]
+    requests.append(other)
     while not all(r.finished for r in requests):
         server.step()
     stats = server.stats()
-    assert (stats["prompt_tokens_total"], stats["prompt_tokens_cached_total"]) == (3 * 20, 2 * 16)
+    assert (stats["prompt_tokens_total"], stats["prompt_tokens_cached_total"]) == (3 * 20 + 5, 2 * 16)
     for request in requests:
         tokens, log_probs = _alone(task, request, REFERENCE_BUDGET)
         assert request.tokens == tokens, f"request with seed {request.seed}"

@@ -62,22 +62,31 @@ class PagePool:
             keys.append(previous)
         return keys
 
-    def grant(self, prompt: np.ndarray, tokens: int) -> Grant | None:
-        """Pages for a request of `prompt` that holds up to `tokens` tokens, or None while the pool
-        cannot give them or another request is computing the next page it could share. The last
-        prompt token is always computed (its logits start the decode), so at most
+    def shareable(self, prompt: np.ndarray) -> tuple[list[bytes], list[int]]:
+        """The keys of `prompt`'s pages that may be shared and the cached pages of its first ones.
+        The last prompt token is always computed (its logits start the decode), so at most
         ``(len(prompt) - 1) // page_size`` pages are shared."""
+        if not self.prefix_cache:
+            return [], []
+        keys, shared = self.page_keys(prompt)[: (len(prompt) - 1) // self.page_size], []
+        for key in keys:
+            page = self._cached.get(key)
+            if page is None:
+                break
+            shared.append(page)
+        return keys, shared
+
+    def computing(self, prompt: np.ndarray) -> bool:
+        """Whether another request is computing the next page of `prompt` that could be shared:
+        a request admitted once it is written reads it instead of computing it again."""
+        keys, shared = self.shareable(prompt)
+        return len(shared) < len(keys) and keys[len(shared)] in self._computing
+
+    def grant(self, prompt: np.ndarray, tokens: int) -> Grant | None:
+        """Pages for a request of `prompt` that holds up to `tokens` tokens (its cached first pages,
+        `shareable`, then fresh ones), or None while the pool cannot give them."""
         needed = math.ceil(tokens / self.page_size)
-        shared, keys = [], []
-        if self.prefix_cache:
-            keys = self.page_keys(prompt)[: (len(prompt) - 1) // self.page_size]
-            for key in keys:
-                page = self._cached.get(key)
-                if page is None:
-                    break
-                shared.append(page)
-            if len(shared) < len(keys) and keys[len(shared)] in self._computing:
-                return None
+        keys, shared = self.shareable(prompt)
         fresh_needed = needed - len(shared)
         evictable = [page for page in self._cached.values() if self._holders[page] == 0 and page not in shared]
         if fresh_needed > len(self._free) + len(evictable):

@@ -564,17 +564,25 @@ class Server:
         self._stop_rows([row for row, _ in freed], [r for _, r in freed])
 
     def _admit(self) -> None:
+        """Seat queued requests in free rows, first come first served. A request whose next
+        shareable prompt page another request is still computing stays queued (it reads that page
+        once it is written) while the requests behind it go ahead; one the pool cannot hold stops
+        admission until pages come back, so a large request is never passed over for long."""
+        waiting = 0  # requests at the queue's head left for a page being computed
         while True:
             with self._lock:
                 free = [row for row, r in enumerate(self._rows) if r is None]
-                if not free or not self._queue:
+                if not free or len(self._queue) <= waiting:
                     return
-                request = self._queue[0]
+                request = self._queue[waiting]
                 if self.paged:
+                    if self._pool.computing(request.prompt):
+                        waiting += 1
+                        continue
                     grant = self._pool.grant(request.prompt, request.prompt.size + request.max_new_tokens)
                     if grant is None:
                         return  # the pool is full: the queue waits for pages to come back
-                self._queue.popleft()
+                del self._queue[waiting]
                 row = free[0]
                 self._rows[row] = request
             request.row = row
