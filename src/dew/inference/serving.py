@@ -491,8 +491,8 @@ class Server:
         with self._lock:
             for row in freed + [row for row, _ in failed]:
                 self._rows[row] = None
-        for request in done if self._pool is not None and self._pool.prefix_cache else ():
-            self._share_drawn(request)
+        for request in done if self.paged and self._pool.prefix_cache else ():  # a chat's next turn repeats them
+            self._offer(request, np.concatenate([request.prompt, np.asarray(request.tokens, request.prompt.dtype)]))
         done += [request for _, request in failed]
         self._stop_rows(freed + [row for row, _ in failed], done)
         self._count_emitted(len(events))
@@ -501,13 +501,12 @@ class Server:
                 request.listener(request.error)
         return events
 
-    def _share_drawn(self, request: Request) -> None:
-        """Offer the full pages of a finished request's prompt and drawn tokens to later requests (a
-        chat's next turn repeats them). Each drawn token was fed back, so its key and value are in
-        the request's pages; draws past its end, unseen, lie beyond its last full page."""
+    def _offer(self, request: Request, tokens: np.ndarray) -> None:
+        """Offer the full pages of `tokens`, what `request`'s pages hold (its prompt once prefilled;
+        its prompt and drawn tokens once finished: each drawn token was fed back, and draws past its
+        end, unseen, lie beyond its last full page) to later requests, unless other weights wrote them."""
         if request.weights == self._weights:
-            self._pool.share(np.concatenate([request.prompt, np.asarray(request.tokens, request.prompt.dtype)]),
-                             request.pages)
+            self._pool.share(tokens, request.pages)
 
     def _advance_grammar(self, row: int, request: Request, token: int) -> bool:
         """Move a guided request's grammar past `token` and mask its row for the next draw; False
@@ -622,8 +621,8 @@ class Server:
                 RowSampling.of(request.sampling),
             )
             request.prefilled = stop
-            if stop == length and request.weights == self._weights:
-                self._pool.share(request.prompt, request.pages)
+            if stop == length:
+                self._offer(request, request.prompt)
 
     def _count_emitted(self, tokens: int) -> None:
         now = time.monotonic()
