@@ -1,7 +1,7 @@
-"""One-row decoding on XLA:CPU from a rearranged copy of a CausalTransformer's weights.
+"""Decoding on XLA:CPU from a rearranged copy of a CausalTransformer's weights.
 
-A decode step for one row is a chain of matrix-vector products, and XLA:CPU streams the weights
-through them fastest when they are few and wide and the kernels are stored ``[out, in]``
+A decode step is a chain of thin matrix products (one row per sequence), and XLA:CPU streams the
+weights through them fastest when they are few and wide and the kernels are stored ``[out, in]``
 (benchmarks/README.md has the measurements). `decode_layout` turns a model and its variables into
 a `DecodeTransformer` and its variables, which compute the same function: per layer, q/k/v fused
 into ``self_attn/qkv_proj`` and gate/up into ``mlp/gate_up_proj``, and every projection kernel
@@ -33,6 +33,13 @@ from dew.nn.backbones.causal_transformer import (
     SelfAttention,
 )
 
+# Rows that decode faster from the layout on XLA:CPU (the random 29M Qwen3 of benchmarks/lm_decode.py,
+# 128 greedy tokens, the same tokens either way): one row, whose widening products XLA fuses into one
+# loop (`transposed_product`), and 3 to 48 rows, 6-10% faster than the training layout, mostly in the
+# down projection, which runs about 1.9x faster with its kernel stored [out, in] at 16 rows. Two rows
+# ran 11% slower from the layout and 64 rows 2% slower, so they decode from the weights as trained.
+LAYOUT_ROWS = frozenset({1, *range(3, 49)})
+
 
 def transposed_product(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
     """``x @ kernel_t.T`` for a kernel stored ``[out, in]``, in the form XLA:CPU runs fastest.
@@ -40,7 +47,8 @@ def transposed_product(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
     For one-row decoding a widening product is written ``x @ kernel_t.T``, which XLA fuses (with
     the producer of ``x``, e.g. the RMSNorm) into one loop split over the cores; a square or
     narrowing one stays a plain matrix product with the ``[out, in]`` operand, which runs faster
-    than that loop for them (benchmarks/README.md). The result is the same.
+    than that loop for them (benchmarks/README.md). For several rows XLA runs either form as the
+    same matrix product. The result is the same.
     """
     if kernel_t.shape[-2] > kernel_t.shape[-1]:
         return x @ kernel_t.T
@@ -193,13 +201,12 @@ def decode_layout(model: CausalTransformer, variables: Any) -> tuple[DecodeTrans
 def uses_decode_layout(model: Any, variables: Any, rows: int) -> bool:
     """Whether `rows` rows of `model` decode from the decode layout.
 
-    Only one row on the CPU backend (several rows are matrix-matrix products, which the layout
-    does not speed up; other backends have their own kernels), only an exact CausalTransformer (a
-    subclass may compute something else) and only concrete weights (inside a trace the copy would
-    be made on every call).
+    Only on the CPU backend (other backends have their own kernels), for the row counts in
+    `LAYOUT_ROWS`, only an exact CausalTransformer (a subclass may compute something else) and only
+    concrete weights (inside a trace the copy would be made on every call).
     """
     count(rows, "rows")
-    if rows != 1 or jax.default_backend() != "cpu" or type(model) is not CausalTransformer:
+    if rows not in LAYOUT_ROWS or jax.default_backend() != "cpu" or type(model) is not CausalTransformer:
         return False
     if model.latent_attention is not None:  # latent attention decodes through its own absorbed products
         return False

@@ -53,8 +53,9 @@ class TextGeneration:
         On a mesh over several processes each process passes its own prompts and `host()` holds
         its own rows.
 
-    A single row on XLA:CPU decodes from the weights' decode layout (`dew.inference.decode_layout`),
-    converted on first use and kept with the task; `bind` makes a task with its own.
+    On XLA:CPU, one row and batches of 3 to 48 rows decode from the weights' decode layout
+    (`dew.inference.decode_layout`), converted on first use and kept with the task; `bind` makes a
+    task with its own.
     """
 
     model: Any
@@ -68,7 +69,7 @@ class TextGeneration:
     weights: DecodeWeights = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        # one-row decoding on XLA:CPU reads a decode layout of these weights, made once per task
+        # decoding on XLA:CPU reads a decode layout of these weights, made once per task
         object.__setattr__(self, "weights", DecodeWeights(self.model, self.variables))
         object.__setattr__(self, "processor", as_processor(self.processor))
         object.__setattr__(self, "n", count(self.n, "TextGeneration.n"))
