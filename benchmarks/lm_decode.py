@@ -7,8 +7,8 @@ seed, written with `save_pretrained` to a temporary directory and read back by D
 prompts by 128 greedy tokens, with no end-of-sequence token, at batch 1 and batch 8: Dew with
 `generate(..., sampling=Sampling(temperature=0.0))` on the model and weights that
 `dew.inference.decode_layout.DecodeWeights.get(rows)` gives for the batch, as `TextGeneration` does
-(the CPU decode layout for one row, converted once, in the compiling call; the weights as loaded
-for several), transformers with `model.generate(do_sample=False, use_cache=True)` under
+(the CPU decode layout for one row and for 3 to 48 rows, converted once, in the compiling call),
+transformers with `model.generate(do_sample=False, use_cache=True)` under
 `torch.inference_mode()`.
 
 Each side runs in its own process (benchmarks/harness.py): Dew, transformers at torch's library
@@ -102,10 +102,10 @@ def matmul_floor(params, batch: int, new: int):
     MLP's gate/up and down products, then the tied output head, all on [batch, 1, width] rows as
     the decoder has them), fed through the scale-free RMS norms the decoder puts before the
     q/k/v, gate/up and head products (XLA fuses them into those products), with no attention or
-    sampling. `params` are in the layout Dew
-    decodes this batch from (`DecodeWeights.get(batch)`: fused q/k/v and gate/up and [out, in]
-    kernels for one row, the training layout otherwise), in the same forms, so the floor counts the
-    same products. Returns a function that runs it once (compiled and warm) and returns the seconds.
+    sampling. `params` are in the layout Dew decodes this batch from (`DecodeWeights.get(batch)`:
+    fused q/k/v and gate/up and [out, in] kernels for the row counts in `LAYOUT_ROWS`, the training
+    layout otherwise), in the same forms, so the floor counts the same products. Returns a function
+    that runs it once (compiled and warm) and returns the seconds.
     """
     import jax
     import jax.numpy as jnp
