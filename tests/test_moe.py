@@ -10,14 +10,18 @@ import optax
 import pytest
 
 from dew.inference.decode_layout import decode_layout
+from dew.nn import moe
 from dew.nn.backbones.causal_transformer import CausalTransformer
 from dew.nn.moe import (
     ExpertWeights,
     Mixture,
+    block_counts,
+    block_rows,
     blocked_experts,
     capacities,
     clamped_swiglu,
     padded_experts,
+    padded_layout,
     router_metrics,
     swiglu,
 )
@@ -220,6 +224,47 @@ def test_padded_product_matches_blocks_in_value_and_gradient(crowd, empty):
     # negative control: under the plain SwiGLU the kernels' gradients differ
     plain = loss(padded_experts, activation=swiglu)
     assert float(jnp.abs(plain[1][1].gate - want[1][1].gate).max()) > 1e-2 * float(jnp.abs(want[1][1].gate).max())
+
+
+def test_crowded_routings_take_the_fewest_blocks_that_hold_their_groups(monkeypatch):
+    """Past the capacities the padded product takes the fewest of `block_counts` blocks that hold
+    every group, and computes what the blocked product computes; a layout one block short loses rows."""
+    experts, assignments, width, features = 8, 2048, 8, 8
+    block = 2 * block_rows(assignments, experts)
+    sizes, counts = capacities(assignments, experts), block_counts(assignments, experts, block)
+    assert (block, counts) == (128, (20, 22, 24))  # 16 blocks of assignments, plus 4, 6 or 8 of padding
+    keys = jax.random.split(jax.random.key(0), 5)
+    kernels = ExpertWeights(*(0.3 * jax.random.normal(k, shape) for k, shape in zip(
+        keys[:3], [(experts, width, features)] * 2 + [(experts, features, width)])), None, None, None)
+    rows, target = (jax.random.normal(k, (assignments, width)) for k in keys[3:5])
+    routings = {  # group sizes -> the layout each takes
+        (300, 260, 250, 250, 250, 250, 250, 238): 0,  # the largest group within 1.25 even shares
+        (955, 354, 198, 162, 134, 105, 75, 65): len(sizes),  # 8 + 3 + 2 + 2 + 2 + 1 + 1 + 1 = 20 blocks
+        (640, 258, 258, 258, 258, 258, 59, 59): len(sizes) + 1,  # 5 + 5 * 3 + 1 + 1 = 22 blocks
+        (1025, 129, 129, 129, 129, 129, 129, 249): len(sizes) + 2,  # 9 + 6 * 2 + 2 = 23 blocks
+    }
+    for group_sizes, want_layout in routings.items():
+        group_sizes = jnp.asarray(group_sizes, jnp.int32)
+        assert int(group_sizes.sum()) == assignments
+        assert int(padded_layout(group_sizes, sizes, counts, block)) == want_layout, group_sizes
+        row_experts = jnp.repeat(jnp.arange(experts, dtype=jnp.int32), group_sizes, total_repeat_length=assignments)
+
+        def loss(product):
+            def value(rows, kernels):
+                return jnp.sum((product(rows, row_experts, group_sizes, kernels) - target) ** 2)
+            return jax.jit(jax.value_and_grad(value, argnums=(0, 1)))(rows, kernels)
+
+        got, want = loss(padded_experts), loss(blocked_experts)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+    # negative control: the fewest blocks (20) for a routing that needs 22 lose rows
+    group_sizes = jnp.asarray((640, 258, 258, 258, 258, 258, 59, 59), jnp.int32)
+    row_experts = jnp.repeat(jnp.arange(experts, dtype=jnp.int32), group_sizes, total_repeat_length=assignments)
+    whole = np.asarray(jax.jit(lambda r: padded_experts(r, row_experts, group_sizes, kernels))(rows))
+    monkeypatch.setattr(moe, "padded_layout", lambda *args: jnp.int32(len(sizes)))
+    short = np.asarray(jax.jit(lambda r: padded_experts(r, row_experts, group_sizes, kernels))(rows))
+    assert np.abs(short - whole).max() > 1e-2 * np.abs(whole).max()
 
 
 def test_auto_pads_by_expert_on_the_cpu_from_32_assignments_per_expert():

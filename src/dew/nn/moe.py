@@ -29,8 +29,9 @@ capacity is set. The grouped product is `jax.lax.ragged_dot` (``grouped="ragged_
 ``grouped="blocks"``, a batched product over fixed-size blocks of rows, each group padded to whole
 blocks and each block multiplied by its expert's kernel; or, as ``grouped="padded"``, a batched
 product over ``[E, C, width]``, every group padded to one capacity C, the smallest of a few that
-holds the largest group (`capacities`), or blocks when the largest group is past 1.5 even shares
-(a switch over these layouts keeps shapes static). XLA:CPU computes
+holds the largest group (`capacities`), or, when the largest group is past 1.5 even shares, the
+fewest blocks of a few counts that hold every group (`block_counts`); a switch over these layouts
+keeps shapes static. XLA:CPU computes
 ``ragged_dot`` as a dense product masked to the groups, E times the work, so ``grouped="auto"``
 takes ``ragged_dot`` off the CPU and on it ``padded`` from `MIN_PADDED_SHARE` assignments per
 expert (training batches), ``blocks`` below (decoding). All compute the same layer. Dispatches are
@@ -398,6 +399,25 @@ def capacities(assignments: int, num_experts: int) -> tuple[int, ...]:
     return tuple(sorted({min(assignments, 8 * math.ceil(share * step / 8)) for step in CAPACITY_STEPS}))
 
 
+def block_counts(assignments: int, num_experts: int, block: int) -> tuple[int, ...]:
+    """The padded product's block layouts, as numbers of blocks of `block` rows: what a routing needs
+    on average (the assignments in whole blocks, plus half a block of padding per expert), the most
+    any routing can need, ``ceil((assignments + E * (block - 1)) / block)``, and one halfway. A step
+    takes the fewest that hold its groups."""
+    most = -(-(assignments + num_experts * (block - 1)) // block)
+    expected = min(-(-assignments // block) + num_experts // 2, most)
+    return tuple(sorted({expected, (expected + most) // 2, most}))
+
+
+def padded_layout(group_sizes: jax.Array, sizes: tuple[int, ...], counts: tuple[int, ...], block: int) -> jax.Array:
+    """Which of the padded product's layouts a step takes: the first capacity of `sizes` that holds
+    the largest group, else (index ``len(sizes) + i``) the first of `counts` whose blocks of `block`
+    rows hold every group, each padded to whole blocks."""
+    capacity = jnp.searchsorted(jnp.asarray(sizes), jnp.max(group_sizes))  # the first capacity >= it, else len(sizes)
+    needed = jnp.sum(-(-group_sizes // block))
+    return jnp.where(capacity < len(sizes), capacity, len(sizes) + jnp.searchsorted(jnp.asarray(counts), needed))
+
+
 def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     """Experts over rows sorted by expert, as products over an expert-major ``[E, C, width]`` layout.
 
@@ -405,8 +425,10 @@ def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     largest group, and each projection is one batched product with the stacked kernels as they
     are: no kernel is copied per block, and the kernels' gradients come out of the products whole.
     A routing whose largest group is past 1.5 even shares would pad the others past what blocks
-    cost, so it takes blocks of twice `block_rows` rows instead. A `jax.lax.switch` picks the
-    layout in each step, so shapes stay static and no assignment is ever dropped. The gradient is
+    cost, so it takes blocks of twice `block_rows` rows instead, as few of `block_counts` as hold
+    its groups (each block's kernels are copied, so fewer blocks save that copy too). A
+    `jax.lax.switch` picks the layout in each step (`padded_layout`), so shapes stay static and no
+    assignment is ever dropped. The gradient is
     written by hand (`_grouped_product`) so that what the backward pass keeps is the gate and up
     projections in the rows' own layout, whichever layout the step took. Rows past the groups (id
     E, the empty slots of an exchange) are in no expert and read zero.
@@ -414,11 +436,13 @@ def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     assignments = rows.shape[0]
     num_experts = kernels.gate.shape[0]
     sizes = capacities(assignments, num_experts)
-    experts, position = _sorted_positions(row_experts, group_sizes)
-    which = jnp.searchsorted(jnp.asarray(sizes), jnp.max(group_sizes))  # the first capacity >= it, else blocks
     # past the capacities, blocks twice `blocked_experts`' rows: this backward pass gathers each block's
     # kernels again, and half as many blocks halve that copy
-    layouts = [_ByExpert(capacity) for capacity in sizes] + [_Blocks(2 * block_rows(assignments, num_experts))]
+    block = 2 * block_rows(assignments, num_experts)
+    counts = block_counts(assignments, num_experts, block)
+    experts, position = _sorted_positions(row_experts, group_sizes)
+    which = padded_layout(group_sizes, sizes, counts, block)
+    layouts = [_ByExpert(capacity) for capacity in sizes] + [_Blocks(block, count) for count in counts]
     rows, kernels = _varying_alike((rows, kernels))
     return _grouped_product(activation, tuple(layouts), rows, experts, position, group_sizes, which, kernels)
 
@@ -469,13 +493,16 @@ class _ByExpert(NamedTuple):
 
 
 class _Blocks(NamedTuple):
-    """Each group padded to whole blocks of ``block`` rows, as `blocked_experts` lays them out."""
+    """Each group padded to whole blocks of ``block`` rows, as `blocked_experts` lays them out, in
+    ``count`` blocks (None: the most any routing can need; a routing that needs more than ``count``
+    would lose rows, so `padded_layout` never picks such a layout for it)."""
 
     block: int
+    count: int | None = None
 
     def place(self, experts, position, group_sizes):
         num_experts, assignments = group_sizes.shape[0], experts.shape[0]
-        num_blocks = -(-(assignments + num_experts * (self.block - 1)) // self.block)
+        num_blocks = self.count or -(-(assignments + num_experts * (self.block - 1)) // self.block)
         padded_sizes = -(-group_sizes // self.block) * self.block
         padded_ends = jnp.cumsum(padded_sizes)
         padded_starts = padded_ends - padded_sizes
