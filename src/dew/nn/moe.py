@@ -404,9 +404,14 @@ def block_counts(assignments: int, num_experts: int, block: int) -> tuple[int, .
     on average (the assignments in whole blocks, plus half a block of padding per expert), the most
     any routing can need, ``ceil((assignments + E * (block - 1)) / block)``, and one halfway. A step
     takes the fewest that hold its groups."""
-    most = -(-(assignments + num_experts * (block - 1)) // block)
+    most = _most_blocks(assignments, num_experts, block)
     expected = min(-(-assignments // block) + num_experts // 2, most)
     return tuple(sorted({expected, (expected + most) // 2, most}))
+
+
+def _most_blocks(assignments: int, num_experts: int, block: int) -> int:
+    """The blocks of `block` rows any routing of `assignments` over `num_experts` groups fits in."""
+    return -(-(assignments + num_experts * (block - 1)) // block)
 
 
 def padded_layout(group_sizes: jax.Array, sizes: tuple[int, ...], counts: tuple[int, ...], block: int) -> jax.Array:
@@ -428,10 +433,10 @@ def padded_experts(rows, row_experts, group_sizes, kernels, activation=swiglu):
     cost, so it takes blocks of twice `block_rows` rows instead, as few of `block_counts` as hold
     its groups (each block's kernels are copied, so fewer blocks save that copy too). A
     `jax.lax.switch` picks the layout in each step (`padded_layout`), so shapes stay static and no
-    assignment is ever dropped. The gradient is
-    written by hand (`_grouped_product`) so that what the backward pass keeps is the gate and up
-    projections in the rows' own layout, whichever layout the step took. Rows past the groups (id
-    E, the empty slots of an exchange) are in no expert and read zero.
+    assignment is ever dropped. The gradient is written by hand (`_grouped_product`) so that what
+    the backward pass keeps is the gate and up projections in the rows' own layout, whichever
+    layout the step took. Rows past the groups (id E, the empty slots of an exchange) are in no
+    expert and read zero.
     """
     assignments = rows.shape[0]
     num_experts = kernels.gate.shape[0]
@@ -502,7 +507,7 @@ class _Blocks(NamedTuple):
 
     def place(self, experts, position, group_sizes):
         num_experts, assignments = group_sizes.shape[0], experts.shape[0]
-        num_blocks = self.count or -(-(assignments + num_experts * (self.block - 1)) // self.block)
+        num_blocks = self.count or _most_blocks(assignments, num_experts, self.block)
         padded_sizes = -(-group_sizes // self.block) * self.block
         padded_ends = jnp.cumsum(padded_sizes)
         padded_starts = padded_ends - padded_sizes
