@@ -37,7 +37,7 @@ from dew.nn.backbones.causal_transformer import (
 # 128 greedy tokens, the same tokens either way): one row, whose widening products XLA fuses into one
 # loop (`transposed_product`), and 3 to 48 rows, 6-10% faster than the training layout, mostly in the
 # down projection, which runs about 1.9x faster with its kernel stored [out, in] at 16 rows. Two rows
-# ran 11% slower from the layout and 64 rows 2% slower, so they decode from the weights as trained.
+# ran 11% slower from the layout and 64 rows 2-4% slower, so they decode from the weights as trained.
 LAYOUT_ROWS = frozenset({1, *range(3, 49)})
 
 
