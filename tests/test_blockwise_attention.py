@@ -130,6 +130,29 @@ def test_unmasked_blockwise_builds_no_mask_and_gives_the_reference(sinks, forwar
     assert "select" in jax.jit(lambda q, k, v: blockwise(q, k, v)).lower(q, k, v).as_text()
 
 
+def test_rows_path_offsets_a_block_by_a_bound_close_to_its_maxima_else_by_the_maxima(monkeypatch):
+    """The rows path's softmax subtracts ``|q| max |k|`` from a block's scores when that bound lies
+    within ROWWISE_BOUND_GAP of a score of every row (ordinary logits), else each row's maximum
+    (logits of hundreds), and either way gives the reference's values and gradients."""
+    scores = jnp.asarray([[1.0, 3.0, -2.0], [0.5, 0.0, 2.5]])
+    near, far = jnp.asarray([10.0, 4.0]), jnp.asarray([10.0, 4.0 + attention.ROWWISE_BOUND_GAP])
+    np.testing.assert_array_equal(attention._softmax_offsets(scores, near), near)
+    np.testing.assert_array_equal(attention._softmax_offsets(scores, far), [3.0, 2.5])  # one row past the gap
+    q, k, v, cotangent = tensors(seed=2, q_len=37, kv_len=40)
+    large = dict(q=q * 12, k=k * 12)  # logits of hundreds: their bound lies far above their maxima
+    for inputs in (dict(q=q, k=k), large):
+        args = (inputs["q"], inputs["k"], v, cotangent, None)
+        got = values_and_gradients(blockwise, *args, causal=False)
+        want = values_and_gradients(reference, *args, causal=False)
+        for name, g, w in zip(("output", "dq", "dk", "dv"), got, want):
+            np.testing.assert_allclose(g, w, atol=2e-5 * (1 + np.abs(w).max()), rtol=1e-5, err_msg=name)
+    # negative control: the bound taken at any distance leaves the large logits' weights below
+    # float32's range
+    monkeypatch.setattr(attention, "ROWWISE_BOUND_GAP", np.inf)
+    wrong = blockwise(large["q"], large["k"], v, causal=False)
+    assert not np.isfinite(wrong).all() or np.abs(wrong - want[0]).max() > 1e-2
+
+
 def test_blockwise_is_checked_against_rules_that_matter():
     """Negative controls: the comparison above fails when a rule is dropped, or a block misplaced."""
     q, k, v, cotangent = tensors()
