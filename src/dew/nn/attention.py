@@ -677,10 +677,11 @@ def _softmax_offsets(scores: jax.Array, bound: jax.Array) -> jax.Array:
     it lies within `ROWWISE_BOUND_GAP` of a score of every row of the block, else the rows' maxima.
 
     Any offset at least a row's largest score keeps its exponentials from overflowing, and one
-    within the gap of it leaves every weight that matters to float32 a normal number (a weight
-    below ``e^-(87 - gap)`` of the largest is under 1e-11 of the sum). The bound spares a pass
-    over the block's scores (the maxima's reduction): the forward pass of batch 2 at 4096 tokens
-    with 8 heads of 8 took 134-142 against 146-169 ms (2-core AMD host). The first
+    within the gap of it keeps every weight above ``e^-(87 - gap)`` (2e-12 at a gap of 60) of
+    the row's largest a normal float32 number, so only weights below that can flush to zero. The
+    bound spares a pass over the block's scores (the maxima's reduction): the forward pass of
+    batch 2 at 4096 tokens with 8 heads of 8 took 140-151 against 155-181 ms (2-core AMD host,
+    alternating processes). The first
     `ROWWISE_BOUND_SAMPLE` scores of a row (a lower bound on its maximum) decide, for the whole
     block, which offset it takes.
     """
