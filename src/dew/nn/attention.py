@@ -681,9 +681,8 @@ def _softmax_offsets(scores: jax.Array, bound: jax.Array) -> jax.Array:
     the row's largest a normal float32 number, so only weights below that can flush to zero. The
     bound spares a pass over the block's scores (the maxima's reduction): the forward pass of
     batch 2 at 4096 tokens with 8 heads of 8 took 140-151 against 155-181 ms (2-core AMD host,
-    alternating processes). The first
-    `ROWWISE_BOUND_SAMPLE` scores of a row (a lower bound on its maximum) decide, for the whole
-    block, which offset it takes.
+    alternating processes). The first `ROWWISE_BOUND_SAMPLE` scores of a row (a lower bound on
+    its maximum) decide, for the whole block, which offset it takes.
     """
     seen = scores[:, :ROWWISE_BOUND_SAMPLE].max(-1)
     return jax.lax.cond(jnp.all(bound - seen <= ROWWISE_BOUND_GAP), lambda: bound, lambda: scores.max(-1))
