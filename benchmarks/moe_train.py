@@ -15,10 +15,17 @@ Each side runs in its own process (benchmarks/harness.py), as in lm_train.py: a 
 same batch sequence, then alternating timed windows; the median tokens/s of each configuration,
 Dew's ratio against the fastest, the mean loss of the last steps of each loss run, and the share
 of (token, choice) assignments each expert received over the loss run (pooled over layers).
-Prints one JSON line.
+Timed in the same rounds, unless --no-floor: the floor, Dew's decoder of the same shape whose
+every layer is one dense SwiGLU of the active width (2 x 512), the products a token's experts do
+with no routing; its tokens/s against the best peer bounds what any mixture of this shape can
+reach with Dew's products. Each side's achieved FLOP/s is reported as a fraction of the machine's
+matmul ceiling (lm_train.py's: a jitted float32 1024^3 matmul, the faster of JAX's and torch's),
+counting a token's active parameters (its two experts, the router, attention, embeddings and
+head) as lm_train.py counts a dense model's: flops/token = 6 N_active + 12 L H Q T; so does the
+goal, what twice the best peer would have to reach. Prints one JSON line.
 
     .venv-ref/bin/python benchmarks/moe_train.py --dew-python .venv/bin/python [--quick]
-        [--steps N] [--window N] [--repeats N] [--data PATH | --synthetic]
+        [--steps N] [--window N] [--repeats N] [--no-floor] [--data PATH | --synthetic]
 """
 
 from __future__ import annotations
@@ -41,13 +48,18 @@ KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, BALANCE_COEF = 4, 32, 8, 2, 0.001
 LAST = 10  # losses averaged at the end of each loss run
 WARMUP = 3
 SIZE = Size(256, 6, 8, 512, 128, 8, steps=40, window=5, repeats=3, quick=(LAST, 2, 2))
+FLOOR = "dew dense floor"  # the reference side: Dew's decoder with a dense SwiGLU of the active width
 
 
 # --- Dew ----------------------------------------------------------------------------------------
 
 
 class DewSide(harness.Runner):
-    def __init__(self, batches: np.ndarray, loss_steps: int, window: int):
+    """The mixture model, or with ``dense`` the floor: the same decoder whose every layer is one
+    SwiGLU of the active width (top_k x expert width), the products each token's two experts do
+    without any routing, so no mixture of this shape can step faster on Dew's products."""
+
+    def __init__(self, batches: np.ndarray, loss_steps: int, window: int, dense: bool = False):
         import jax
         import jax.numpy as jnp
         import optax
@@ -58,15 +70,22 @@ class DewSide(harness.Runner):
 
         model = CausalTransformer(
             vocab_size=VOCAB, emb_features=SIZE.width, num_layers=SIZE.layers, num_heads=SIZE.heads,
-            num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp_features=SIZE.mlp, max_seq_len=SIZE.context,
-            rope_theta=ROPE_THETA, norm_eps=NORM_EPS, qk_norm=True, tie_embeddings=False,
-            mixture={"num_experts": EXPERTS, "top_k": TOP_K, "expert_features": SIZE.mlp, "normalize_top_k": True},
+            num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp_features=SIZE.mlp * (TOP_K if dense else 1),
+            max_seq_len=SIZE.context, rope_theta=ROPE_THETA, norm_eps=NORM_EPS, qk_norm=True, tie_embeddings=False,
+            mixture=None if dense else
+            {"num_experts": EXPERTS, "top_k": TOP_K, "expert_features": SIZE.mlp, "normalize_top_k": True},
             dtype=jnp.float32, param_dtype=jnp.float32,
         )
         decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)  # noqa: E731
         optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, mask=decay_mask)
-        objective = LMObjective(model, SIZE.context, balance_coef=BALANCE_COEF)
+        objective = LMObjective(model, SIZE.context, balance_coef=0.0 if dense else BALANCE_COEF)
         self.trainer = Trainer(objective, optimizer, key=jax.random.key(0))
+        self.timed, self.steps = batches[:window], window
+        if dense:  # timed only: a warm-up compiles
+            self.fit(batches[:WARMUP], WARMUP)
+            self.info = {"params": sum(x.size for x in jax.tree_util.tree_leaves(
+                self.trainer.init_state().variables["params"]))}
+            return
         self.fit(batches[:loss_steps], loss_steps)  # the loss run; compiles
         history = self.trainer.history
         tokens = np.asarray([[row[f"router/expert_{e}_tokens"] for e in range(EXPERTS)] for row in history]).sum(0)
@@ -75,7 +94,6 @@ class DewSide(harness.Runner):
                      "loss_last": round(statistics.fmean(r["cross_entropy"] for r in history[-LAST:]), 4),
                      "loss_first": round(history[0]["cross_entropy"], 4),
                      "expert_share": [round(float(t), 4) for t in tokens / tokens.sum()]}
-        self.timed, self.steps = batches[:window], window
 
     def fit(self, batches, steps: int) -> float:
         """Train `steps` steps from a fresh state, as a user's `fit` call does; the wall seconds."""
@@ -86,6 +104,14 @@ class DewSide(harness.Runner):
 
     def finish(self):
         return {"matmul_gflops": matmul_gflops_jax()}
+
+
+def active_params() -> int:
+    """The parameters one token's forward pass multiplies by: embedding and untied head, and per
+    layer attention (q/k norms included), both norms, the router and top_k experts' SwiGLU."""
+    attention = SIZE.width * HEAD_DIM * (2 * SIZE.heads + 2 * KV_HEADS) + 2 * HEAD_DIM
+    experts = TOP_K * 3 * SIZE.width * SIZE.mlp + SIZE.width * EXPERTS
+    return 2 * VOCAB * SIZE.width + SIZE.width + SIZE.layers * (attention + experts + 2 * SIZE.width)
 
 
 # --- transformers + torch -----------------------------------------------------------------------
@@ -160,8 +186,8 @@ class TorchSide(harness.Runner):
 
 def worker(config: dict) -> harness.Runner:
     batches = np.load(Path(config["workdir"]) / "batches.npy")
-    if config["side"] == "dew":
-        return DewSide(batches, config["loss_steps"], config["window"])
+    if config["side"] in ("dew", "dew-dense"):
+        return DewSide(batches, config["loss_steps"], config["window"], dense=config["side"] == "dew-dense")
     harness.set_peer_threads(config)
     loss_steps = config["loss_steps"] if config.get("loss_run") else WARMUP
     return TorchSide(batches, loss_steps, config["window"], config.get("compile", False))
@@ -180,6 +206,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, help=f"steps per timed window (default {SIZE.window})")
     parser.add_argument("--repeats", type=int, help=f"timed windows per side (default {SIZE.repeats})")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile configuration")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="leave out the floor: Dew's decoder with a dense SwiGLU of the active width")
     parser.add_argument("--dew-python", default=sys.executable, help="interpreter of the Dew side")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the torch sides")
     parser.add_argument("--data", default=None, help="a text file read as bytes (default as lm_train.py)")
@@ -193,13 +221,22 @@ def main() -> None:
     script = str(Path(__file__).resolve())
     config = {"loss_steps": steps, "window": window}
     sides = [harness.side("dew", "dew", script, [], {**config, "side": "dew"}, python=args.dew_python)]
+    if not args.no_floor:
+        sides.append(harness.side(FLOOR, "reference", script, [], {**config, "side": "dew-dense"},
+                                  python=args.dew_python))
     sides += harness.torch_sides(script, [], {**config, "side": "torch"}, compile=not args.no_compile,
                                  python=args.peer_python)
     with tempfile.TemporaryDirectory(prefix="dew-moe-train-") as workdir:
         np.save(Path(workdir) / "batches.npy", make_batches(corpus, max(steps, window), SIZE))
         result = harness.compare(sides, repeats, workdir=workdir)
-    dew = result.dew
+    dew, best = result.dew, result.best_peer
+    floor = next((o for o in result.outcomes if o.name == FLOOR), None)
     torch_default = next(o for o in result.outcomes if o.name == "torch defaults")
+    ceiling = max(dew.finished.get("matmul_gflops", 0), torch_default.finished.get("matmul_gflops", 0)) * 1e9
+    flops_per_token = 6 * active_params() + 12 * SIZE.layers * SIZE.heads * HEAD_DIM * SIZE.context
+
+    def of_ceiling(rate):
+        return round(rate * flops_per_token / ceiling, 3) if ceiling and rate else None
     torch_loss = next(o for o in result.outcomes if o.config.get("loss_run"))
     report = {
         "benchmark": "moe_train",
@@ -214,6 +251,8 @@ def main() -> None:
         "params": {"dew": dew.info["params"], "torch": torch_default.info.get("params")},
         **result.report("tokens_per_s", 1),
         "goal": "dew_over_best_peer >= 2",
+        **({"floor_over_best_peer": round(floor.rate / result.best_peer.rate, 3),
+            "dew_over_floor": round(dew.rate / floor.rate, 3)} if floor and floor.rate else {}),
         "window_steps": window,
         "loss_steps": steps,
         f"dew_cross_entropy_last{min(LAST, steps)}": dew.info.get("loss_last"),
@@ -226,6 +265,11 @@ def main() -> None:
         "torch_experts_implementation": torch_default.info.get("experts_implementation"),
         "matmul_gflops": {"jax_f32_1024": dew.finished.get("matmul_gflops"),
                           "torch_f32_1024": torch_default.finished.get("matmul_gflops")},
+        "flops_per_token": flops_per_token,
+        "dew_fraction_of_matmul": of_ceiling(dew.rate),
+        "best_peer_fraction_of_matmul": of_ceiling(best.rate),
+        "floor_fraction_of_matmul": of_ceiling(floor.rate) if floor else None,
+        "goal_fraction_of_matmul": of_ceiling(2 * best.rate),
         "torch_default_threads": torch_default.info.get("threads"),
         "hardware": harness.hardware(),
         "jax": dew.info.get("jax"),
