@@ -107,8 +107,9 @@ class DewSide(harness.Runner):
 
 
 def active_params() -> int:
-    """The parameters one token's forward pass multiplies by: embedding and untied head, and per
-    layer attention (q/k norms included), both norms, the router and top_k experts' SwiGLU."""
+    """The parameters one token uses, counted as lm_train.py's 6 N counts every parameter of a dense
+    model: embedding and untied head, the final norm, and per layer attention (q/k norms
+    included), both norms, the router and its top_k experts' SwiGLU."""
     attention = SIZE.width * HEAD_DIM * (2 * SIZE.heads + 2 * KV_HEADS) + 2 * HEAD_DIM
     experts = TOP_K * 3 * SIZE.width * SIZE.mlp + SIZE.width * EXPERTS
     return 2 * VOCAB * SIZE.width + SIZE.width + SIZE.layers * (attention + experts + 2 * SIZE.width)
@@ -251,7 +252,7 @@ def main() -> None:
         "params": {"dew": dew.info["params"], "torch": torch_default.info.get("params")},
         **result.report("tokens_per_s", 1),
         "goal": "dew_over_best_peer >= 2",
-        **({"floor_over_best_peer": round(floor.rate / result.best_peer.rate, 3),
+        **({"floor_over_best_peer": round(floor.rate / best.rate, 3),
             "dew_over_floor": round(dew.rate / floor.rate, 3)} if floor and floor.rate else {}),
         "window_steps": window,
         "loss_steps": steps,
