@@ -144,6 +144,21 @@ class DewSide(harness.Runner):
         return {"matmul_gflops": matmul_gflops_jax()}
 
 
+def flops_per_token(params: int, layers: int, heads: int, head_dim: int, context: int) -> int:
+    """nanoGPT's estimate_mfu count for one trained token: 6 N + 12 L H Q T."""
+    return 6 * params + 12 * layers * heads * head_dim * context
+
+
+def matmul_ceiling(*outcomes) -> float:
+    """The machine's matmul ceiling in FLOP/s: the fastest `matmul_gflops` the outcomes measured."""
+    return max(o.finished.get("matmul_gflops", 0) for o in outcomes) * 1e9
+
+
+def fraction_of_ceiling(rate: float | None, flops: int, ceiling: float) -> float | None:
+    """Tokens/s `rate` at `flops` per token as a fraction of `ceiling` (None when either is unknown)."""
+    return round(rate * flops / ceiling, 3) if ceiling and rate else None
+
+
 def matmul_gflops_jax(n: int = 1024, calls: int = 20, repeats: int = 5) -> float:
     import jax
     import jax.numpy as jnp
@@ -287,9 +302,8 @@ def run_size(name: str, size: Size, args, corpus: np.ndarray, corpus_name: str) 
     torch_default = next(o for o in result.outcomes if o.name == "torch defaults")
     torch_loss = next(o for o in result.outcomes if o.config.get("loss_run"))
     params = dew.info["params"]
-    head_dim = size.width // size.heads
-    flops_per_token = 6 * params + 12 * size.layers * size.heads * head_dim * size.context
-    ceiling = max(dew.finished.get("matmul_gflops", 0), torch_default.finished.get("matmul_gflops", 0)) * 1e9
+    flops = flops_per_token(params, size.layers, size.heads, size.width // size.heads, size.context)
+    ceiling = matmul_ceiling(dew, torch_default)
     report = {
         "benchmark": "lm_train",
         "size": name,
@@ -309,11 +323,11 @@ def run_size(name: str, size: Size, args, corpus: np.ndarray, corpus_name: str) 
         "dew_loss_first": dew.info.get("loss_first"),
         "torch_loss_first": torch_loss.info.get("loss_first"),
         "torch_loss_run_by": torch_loss.name,
-        "flops_per_token": flops_per_token,
+        "flops_per_token": flops,
         "matmul_gflops": {"jax_f32_1024": dew.finished.get("matmul_gflops"),
                           "torch_f32_1024": torch_default.finished.get("matmul_gflops")},
-        "dew_fraction_of_matmul": round(dew.rate * flops_per_token / ceiling, 3) if ceiling else None,
-        "best_peer_fraction_of_matmul": round(best.rate * flops_per_token / ceiling, 3) if ceiling else None,
+        "dew_fraction_of_matmul": fraction_of_ceiling(dew.rate, flops, ceiling),
+        "best_peer_fraction_of_matmul": fraction_of_ceiling(best.rate, flops, ceiling),
         "torch_default_threads": torch_default.info.get("threads"),
         "hardware": harness.hardware(),
         "jax": dew.info.get("jax"),

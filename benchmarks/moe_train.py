@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 import harness
-from lm_train import Size, load_corpus, make_batches, matmul_gflops_jax, matmul_gflops_torch
+from lm_train import (Size, flops_per_token, fraction_of_ceiling, load_corpus, make_batches, matmul_ceiling,
+                      matmul_gflops_jax, matmul_gflops_torch)
 
 VOCAB, LR, BETAS, EPS, WEIGHT_DECAY, NORM_EPS, ROPE_THETA = 256, 1e-3, (0.9, 0.99), 1e-8, 0.1, 1e-6, 1000000.0
 KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, BALANCE_COEF = 4, 32, 8, 2, 0.001
@@ -54,6 +55,22 @@ FLOOR = "dew dense floor"  # the reference side: Dew's decoder with a dense SwiG
 # --- Dew ----------------------------------------------------------------------------------------
 
 
+def dew_model(dense: bool = False):
+    """The benchmark's `CausalTransformer`: the mixture, or with `dense` the floor (one SwiGLU of the
+    active width, top_k x expert width, in every layer)."""
+    import jax.numpy as jnp
+
+    from dew.nn.backbones import CausalTransformer
+
+    mixture = {"num_experts": EXPERTS, "top_k": TOP_K, "expert_features": SIZE.mlp, "normalize_top_k": True}
+    return CausalTransformer(
+        vocab_size=VOCAB, emb_features=SIZE.width, num_layers=SIZE.layers, num_heads=SIZE.heads,
+        num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp_features=SIZE.mlp * (TOP_K if dense else 1),
+        max_seq_len=SIZE.context, rope_theta=ROPE_THETA, norm_eps=NORM_EPS, qk_norm=True, tie_embeddings=False,
+        mixture=None if dense else mixture, dtype=jnp.float32, param_dtype=jnp.float32,
+    )
+
+
 class DewSide(harness.Runner):
     """The mixture model, or with ``dense`` the floor: the same decoder whose every layer is one
     SwiGLU of the active width (top_k x expert width), the products each token's two experts do
@@ -61,21 +78,12 @@ class DewSide(harness.Runner):
 
     def __init__(self, batches: np.ndarray, loss_steps: int, window: int, dense: bool = False):
         import jax
-        import jax.numpy as jnp
         import optax
 
         from dew import Trainer
-        from dew.nn.backbones import CausalTransformer
         from dew.objectives.lm import LMObjective
 
-        model = CausalTransformer(
-            vocab_size=VOCAB, emb_features=SIZE.width, num_layers=SIZE.layers, num_heads=SIZE.heads,
-            num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp_features=SIZE.mlp * (TOP_K if dense else 1),
-            max_seq_len=SIZE.context, rope_theta=ROPE_THETA, norm_eps=NORM_EPS, qk_norm=True, tie_embeddings=False,
-            mixture=None if dense else
-            {"num_experts": EXPERTS, "top_k": TOP_K, "expert_features": SIZE.mlp, "normalize_top_k": True},
-            dtype=jnp.float32, param_dtype=jnp.float32,
-        )
+        model = dew_model(dense)
         decay_mask = lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)  # noqa: E731
         optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, mask=decay_mask)
         objective = LMObjective(model, SIZE.context, balance_coef=0.0 if dense else BALANCE_COEF)
@@ -233,11 +241,8 @@ def main() -> None:
     dew, best = result.dew, result.best_peer
     floor = next((o for o in result.outcomes if o.name == FLOOR), None)
     torch_default = next(o for o in result.outcomes if o.name == "torch defaults")
-    ceiling = max(dew.finished.get("matmul_gflops", 0), torch_default.finished.get("matmul_gflops", 0)) * 1e9
-    flops_per_token = 6 * active_params() + 12 * SIZE.layers * SIZE.heads * HEAD_DIM * SIZE.context
-
-    def of_ceiling(rate):
-        return round(rate * flops_per_token / ceiling, 3) if ceiling and rate else None
+    ceiling = matmul_ceiling(dew, torch_default)
+    flops = flops_per_token(active_params(), SIZE.layers, SIZE.heads, HEAD_DIM, SIZE.context)
     torch_loss = next(o for o in result.outcomes if o.config.get("loss_run"))
     report = {
         "benchmark": "moe_train",
@@ -249,7 +254,8 @@ def main() -> None:
             f"wd {WEIGHT_DECAY} on 2-D and 3-D weights, no clipping"
         ),
         "corpus": f"{corpus_name}, {len(corpus)} bytes",
-        "params": {"dew": dew.info["params"], "torch": torch_default.info.get("params")},
+        "params": {"dew": dew.info["params"], "torch": torch_default.info.get("params"),
+                   **({"floor": floor.info.get("params")} if floor else {})},
         **result.report("tokens_per_s", 1),
         "goal": "dew_over_best_peer >= 2",
         **({"floor_over_best_peer": round(floor.rate / best.rate, 3),
@@ -266,11 +272,11 @@ def main() -> None:
         "torch_experts_implementation": torch_default.info.get("experts_implementation"),
         "matmul_gflops": {"jax_f32_1024": dew.finished.get("matmul_gflops"),
                           "torch_f32_1024": torch_default.finished.get("matmul_gflops")},
-        "flops_per_token": flops_per_token,
-        "dew_fraction_of_matmul": of_ceiling(dew.rate),
-        "best_peer_fraction_of_matmul": of_ceiling(best.rate),
-        "floor_fraction_of_matmul": of_ceiling(floor.rate) if floor else None,
-        "goal_fraction_of_matmul": of_ceiling(2 * best.rate),
+        "flops_per_token": flops,
+        "dew_fraction_of_matmul": fraction_of_ceiling(dew.rate, flops, ceiling),
+        "best_peer_fraction_of_matmul": fraction_of_ceiling(best.rate, flops, ceiling),
+        "floor_fraction_of_matmul": fraction_of_ceiling(floor.rate, flops, ceiling) if floor else None,
+        "goal_fraction_of_matmul": fraction_of_ceiling(2 * best.rate, flops, ceiling),
         "torch_default_threads": torch_default.info.get("threads"),
         "hardware": harness.hardware(),
         "jax": dew.info.get("jax"),

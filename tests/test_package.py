@@ -121,21 +121,14 @@ def test_the_moe_benchmark_counts_a_tokens_active_parameters_as_dews_models_hold
     import jax
     import jax.numpy as jnp
 
-    from dew.nn.backbones import CausalTransformer
-
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import moe_train as m
 
-    def params(**overrides):
-        model = CausalTransformer(
-            vocab_size=m.VOCAB, emb_features=m.SIZE.width, num_layers=m.SIZE.layers, num_heads=m.SIZE.heads,
-            num_kv_heads=m.KV_HEADS, head_dim=m.HEAD_DIM, max_seq_len=m.SIZE.context, qk_norm=True,
-            tie_embeddings=False, **overrides)
+    def params(model):
         shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
         return sum(x.size for x in jax.tree_util.tree_leaves(shapes["params"]))
 
-    mixture = {"num_experts": m.EXPERTS, "top_k": m.TOP_K, "expert_features": m.SIZE.mlp, "normalize_top_k": True}
     routers = m.SIZE.layers * m.SIZE.width * m.EXPERTS
     idle = m.SIZE.layers * (m.EXPERTS - m.TOP_K) * 3 * m.SIZE.width * m.SIZE.mlp
-    assert m.active_params() == params(mlp_features=m.TOP_K * m.SIZE.mlp) + routers
-    assert m.active_params() + idle == params(mlp_features=m.SIZE.mlp, mixture=mixture) == 20_201_088
+    assert m.active_params() == params(m.dew_model(dense=True)) + routers
+    assert m.active_params() + idle == params(m.dew_model()) == 20_201_088
