@@ -89,15 +89,14 @@ class DewSide(harness.Runner):
         objective = LMObjective(model, SIZE.context, balance_coef=0.0 if dense else BALANCE_COEF)
         self.trainer = Trainer(objective, optimizer, key=jax.random.key(0))
         self.timed, self.steps = batches[:window], window
+        params = sum(x.size for x in jax.tree_util.tree_leaves(self.trainer.init_state().variables["params"]))
         if dense:  # timed only: a warm-up compiles
             self.fit(batches[:WARMUP], WARMUP)
-            self.info = {"params": sum(x.size for x in jax.tree_util.tree_leaves(
-                self.trainer.init_state().variables["params"]))}
+            self.info = {"params": params}
             return
         self.fit(batches[:loss_steps], loss_steps)  # the loss run; compiles
         history = self.trainer.history
         tokens = np.asarray([[row[f"router/expert_{e}_tokens"] for e in range(EXPERTS)] for row in history]).sum(0)
-        params = sum(x.size for x in jax.tree_util.tree_leaves(self.trainer.init_state().variables["params"]))
         self.info = {"params": params, "jax": jax.__version__,
                      "loss_last": round(statistics.fmean(r["cross_entropy"] for r in history[-LAST:]), 4),
                      "loss_first": round(history[0]["cross_entropy"], 4),
